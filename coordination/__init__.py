@@ -1,0 +1,1 @@
+"""The coordination domain: runs, work, groups, barriers, timers and their events."""

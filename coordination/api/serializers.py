@@ -1,0 +1,141 @@
+"""Request validation and response shapes (the latter document the OpenAPI schema)."""
+
+from django.conf import settings
+from rest_framework import serializers
+
+from coordination.states import Effective, InactiveReason, RunState
+
+MAX_NAME_LENGTH = 200
+MAX_REASON_LENGTH = 1000
+
+
+class StrictSerializer(serializers.Serializer):
+    """A request body serializer that rejects fields it does not know."""
+
+    def to_internal_value(self, data):  # noqa: D102
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError({name: "Unknown field." for name in unknown})
+        return super().to_internal_value(data)
+
+
+class ListQuery(serializers.Serializer):
+    """``?cursor=&limit=`` of every list."""
+
+    cursor = serializers.CharField(required=False, allow_blank=True, max_length=2000)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+
+
+def clamp_wait_ms(value: int) -> int:
+    """Clamp a ``timeoutMs`` / ``waitMs`` to the server's cap."""
+    return min(value, settings.RUNSTATE_MAX_WAIT_MS)
+
+
+# Runs ------------------------------------------------------------------------------------
+
+
+class RunChildIn(StrictSerializer):
+    """Body of ``POST /v1/runs/{id}/children``."""
+
+    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
+    deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    childLimit = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=1_000_000)
+
+
+class RunCreateIn(RunChildIn):
+    """Body of ``POST /v1/runs``."""
+
+    parentId = serializers.CharField(required=False, allow_null=True, max_length=100)
+
+
+class RunCancelIn(StrictSerializer):
+    """Body of ``POST /v1/runs/{id}/cancel``."""
+
+    reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
+
+
+class RunListQuery(ListQuery):
+    """Query of ``GET /v1/runs``."""
+
+    parentId = serializers.CharField(required=False, max_length=100)
+    state = serializers.ChoiceField(choices=RunState.choices, required=False)
+
+
+class RunOut(serializers.Serializer):
+    """A run."""
+
+    id = serializers.CharField()
+    name = serializers.CharField()
+    parentId = serializers.CharField(allow_null=True)
+    storedState = serializers.ChoiceField(choices=RunState.choices)
+    effective = serializers.ChoiceField(choices=Effective.choices)
+    inactiveReason = serializers.ChoiceField(choices=InactiveReason.choices, allow_null=True)
+    inactiveRunId = serializers.CharField(allow_null=True)
+    deadline = serializers.DateTimeField(allow_null=True)
+    childLimit = serializers.IntegerField()
+    createdAt = serializers.DateTimeField()
+    endedAt = serializers.DateTimeField(allow_null=True)
+    cancelReason = serializers.CharField(allow_null=True)
+
+
+class RunPageOut(serializers.Serializer):
+    """A page of runs."""
+
+    results = RunOut(many=True)
+    nextCursor = serializers.CharField(allow_null=True)
+
+
+# Events ----------------------------------------------------------------------------------
+
+
+class EventListQuery(serializers.Serializer):
+    """Query of ``GET /v1/events``."""
+
+    after = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    types = serializers.CharField(required=False, allow_blank=True, max_length=2000)
+    runId = serializers.CharField(required=False, max_length=100)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
+    waitMs = serializers.IntegerField(required=False, min_value=0, default=0)
+
+
+class EventOut(serializers.Serializer):
+    """An event."""
+
+    id = serializers.CharField(help_text="Opaque cursor: pass it as `after` to continue.")
+    type = serializers.CharField()
+    runId = serializers.CharField(allow_null=True)
+    subjectId = serializers.CharField()
+    data = serializers.JSONField()
+    createdAt = serializers.DateTimeField()
+
+
+class EventPageOut(serializers.Serializer):
+    """A page of events; ``nextCursor`` is never null."""
+
+    events = EventOut(many=True)
+    nextCursor = serializers.CharField()
+
+
+# Errors and health -----------------------------------------------------------------------
+
+
+class ErrorBody(serializers.Serializer):
+    """The error itself."""
+
+    code = serializers.CharField()
+    message = serializers.CharField()
+    details = serializers.DictField()
+
+
+class ErrorOut(serializers.Serializer):
+    """The error envelope of every 4xx/5xx answer."""
+
+    error = ErrorBody()
+
+
+class HealthOut(serializers.Serializer):
+    """Liveness or readiness."""
+
+    status = serializers.CharField()
+    checks = serializers.DictField(required=False)

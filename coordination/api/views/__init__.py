@@ -1,0 +1,1 @@
+"""Thin views: parse, call one service or selector, present."""

@@ -1,0 +1,51 @@
+"""The base of every API view."""
+
+from drf_spectacular.utils import OpenApiResponse
+from rest_framework.views import APIView
+
+from coordination.api.serializers import ErrorOut
+from coordination.selectors import Visibility
+
+ERRORS = {
+    status: OpenApiResponse(ErrorOut, description=description)
+    for status, description in [
+        (400, "VALIDATION_ERROR"),
+        (401, "UNAUTHENTICATED"),
+        (403, "PERMISSION_DENIED"),
+        (404, "NOT_FOUND"),
+        (409, "A conflict code (see DESIGN.md)"),
+    ]
+}
+
+
+def with_errors(responses: dict) -> dict:
+    """Add the error envelope responses to an operation's documented responses."""
+    return {**responses, **ERRORS}
+
+
+class ApiView(APIView):
+    """An authenticated, project-scoped API view."""
+
+    required_permissions: dict = {}
+
+    @property
+    def visibility(self) -> Visibility:
+        """Return what the caller's key can see."""
+        return self.request.user.visibility
+
+    @property
+    def project_id(self):
+        """Return the caller's project id."""
+        return self.request.user.api_key.project_id
+
+    def body(self, serializer_class) -> dict:
+        """Validate the JSON body with ``serializer_class`` and return the validated data."""
+        serializer = serializer_class(data=self.request.data)
+        serializer.is_valid(raise_exception=True)
+        return serializer.validated_data
+
+    def query(self, serializer_class) -> dict:
+        """Validate the query string with ``serializer_class`` and return the validated data."""
+        serializer = serializer_class(data=self.request.query_params)
+        serializer.is_valid(raise_exception=True)
+        return serializer.validated_data

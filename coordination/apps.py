@@ -1,0 +1,11 @@
+"""App configuration for the coordination domain."""
+
+from django.apps import AppConfig
+
+
+class CoordinationConfig(AppConfig):
+    """Register the coordination app."""
+
+    name = "coordination"
+    verbose_name = "Coordination"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,17 @@
+"""Identifier generation: time-ordered UUIDs, so new rows land at the right edge of indexes."""
+
+import secrets
+import time
+import uuid
+
+
+def uuid7() -> uuid.UUID:
+    """Return a UUIDv7 (RFC 9562): 48-bit Unix milliseconds, then 74 random bits."""
+    unix_ms = time.time_ns() // 1_000_000
+    rand = secrets.randbits(74)
+    value = (unix_ms & ((1 << 48) - 1)) << 80
+    value |= 0x7 << 76  # version
+    value |= (rand >> 62) << 64  # rand_a, 12 bits
+    value |= 0b10 << 62  # variant
+    value |= rand & ((1 << 62) - 1)  # rand_b, 62 bits
+    return uuid.UUID(int=value)

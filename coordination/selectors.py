@@ -1,0 +1,196 @@
+"""Reads: what a caller may see, and derived state computed at read time."""
+
+import base64
+import binascii
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection
+from django.db.models import Q, QuerySet
+from django.db.models.expressions import RawSQL
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from coordination import exceptions
+from coordination.models import Event, Run
+from coordination.services.locking import chain_refusal
+from coordination.states import Effective
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """What a caller can see: one project, optionally only a run's subtree (bound keys)."""
+
+    project_id: uuid.UUID
+    bound_path: str | None = None
+
+    def runs(self) -> QuerySet[Run]:
+        """Return the runs the caller can see."""
+        queryset = Run.objects.filter(project_id=self.project_id)
+        if self.bound_path is not None:
+            queryset = queryset.filter(path__startswith=self.bound_path)
+        return queryset
+
+    def sees_path(self, path: str) -> bool:
+        """Tell whether an object under a run with ``path`` is visible."""
+        return self.bound_path is None or path.startswith(self.bound_path)
+
+
+def parse_id(value: object, *, what: str = "Object") -> uuid.UUID:
+    """Parse an opaque id; a malformed one is simply not found."""
+    try:
+        return uuid.UUID(str(value))
+    except (TypeError, ValueError, AttributeError):
+        raise exceptions.NotFound(f"{what} not found.") from None
+
+
+def run_get(visibility: Visibility, run_id: object) -> Run:
+    """Return a visible run, or raise ``NotFound`` (never a hint that it exists elsewhere)."""
+    run = visibility.runs().filter(id=parse_id(run_id, what="Run")).first()
+    if run is None:
+        raise exceptions.NotFound("Run not found.", runId=str(run_id))
+    return run
+
+
+@dataclass(frozen=True)
+class EffectiveState:
+    """A run's effective state: ACTIVE, or INACTIVE with the reason and the run causing it."""
+
+    effective: Effective
+    reason: str | None = None
+    cause_run_id: uuid.UUID | None = None
+
+
+def runs_effective(runs: Sequence[Run], now: datetime | None = None) -> dict[uuid.UUID, EffectiveState]:
+    """Compute the effective state of ``runs`` with one query for all their ancestors."""
+    now = now or timezone.now()
+    ancestor_ids = {aid for run in runs for aid in run.ancestor_ids}
+    by_id = {run.id: run for run in runs}
+    missing = ancestor_ids - by_id.keys()
+    if missing:
+        by_id.update(
+            {r.id: r for r in Run.objects.filter(id__in=missing).only("id", "stored_state", "deadline", "path")}
+        )
+    result = {}
+    for run in runs:
+        refusal = chain_refusal([by_id[rid] for rid in run.chain_ids], now)
+        if refusal is None:
+            result[run.id] = EffectiveState(Effective.ACTIVE)
+        else:
+            result[run.id] = EffectiveState(Effective.INACTIVE, refusal.code, uuid.UUID(refusal.details["runId"]))
+    return result
+
+
+# Cursor pagination -----------------------------------------------------------------------
+
+
+def _encode_cursor(values: list) -> str:
+    raw = json.dumps(values, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str, arity: int) -> list:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        values = json.loads(base64.urlsafe_b64decode(padded.encode()))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise exceptions.ValidationFailed("Malformed cursor.", cursor="malformed") from None
+    if not isinstance(values, list) or len(values) != arity:
+        raise exceptions.ValidationFailed("Malformed cursor.", cursor="malformed")
+    return values
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of a list and where the next one starts (None on the last page)."""
+
+    items: list
+    next_cursor: str | None
+
+
+def paginate_by_creation(queryset: QuerySet, *, cursor: str | None, limit: int) -> Page:
+    """Page ``queryset`` oldest first by ``(created_at, id)``."""
+    if cursor:
+        created_raw, id_raw = _decode_cursor(cursor, 2)
+        created_at = parse_datetime(created_raw) if isinstance(created_raw, str) else None
+        if created_at is None:
+            raise exceptions.ValidationFailed("Malformed cursor.", cursor="malformed")
+        try:
+            last_id = uuid.UUID(str(id_raw))
+        except ValueError:
+            raise exceptions.ValidationFailed("Malformed cursor.", cursor="malformed") from None
+        queryset = queryset.filter(Q(created_at__gt=created_at) | Q(created_at=created_at, id__gt=last_id))
+    items = list(queryset.order_by("created_at", "id")[: limit + 1])
+    if len(items) <= limit:
+        return Page(items, None)
+    items = items[:limit]
+    last = items[-1]
+    return Page(items, _encode_cursor([last.created_at.isoformat(), str(last.id)]))
+
+
+def run_list(
+    visibility: Visibility, *, parent_id: object = None, state: str | None = None, cursor: str | None, limit: int
+) -> Page:
+    """List visible runs, optionally the children of one run or those in one stored state."""
+    queryset = visibility.runs()
+    if parent_id is not None:
+        queryset = queryset.filter(parent=run_get(visibility, parent_id))
+    if state is not None:
+        queryset = queryset.filter(stored_state=state)
+    return paginate_by_creation(queryset, cursor=cursor, limit=limit)
+
+
+# Events ----------------------------------------------------------------------------------
+
+EVENT_CURSOR_START = "0-0"
+
+
+def _parse_event_cursor(cursor: str | None) -> tuple[int, int]:
+    if not cursor:
+        return 0, 0
+    try:
+        txid, event_id = (int(part) for part in cursor.split("-", 1))
+    except ValueError:
+        raise exceptions.ValidationFailed("Malformed cursor.", after="malformed") from None
+    if txid < 0 or event_id < 0:
+        raise exceptions.ValidationFailed("Malformed cursor.", after="malformed")
+    return txid, event_id
+
+
+def event_cursor(event: Event) -> str:
+    """Return the opaque cursor of ``event``: the reader continues after it."""
+    return f"{event.txid}-{event.id}"
+
+
+def event_list(
+    visibility: Visibility,
+    *,
+    after: str | None,
+    types: Iterable[str] = (),
+    run_id: object = None,
+    limit: int,
+) -> tuple[list[Event], str]:
+    """Return events after the cursor, oldest first, and the cursor to continue from.
+
+    Only events of transactions older than every transaction still running are returned
+    (see ``Event``), so a reader that follows the cursor never skips an event.
+    """
+    txid, event_id = _parse_event_cursor(after)
+    queryset = Event.objects.filter(project_id=visibility.project_id).filter(
+        Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id)
+    )
+    if connection.vendor == "postgresql":
+        queryset = queryset.filter(txid__lt=RawSQL("pg_snapshot_xmin(pg_current_snapshot())::text::bigint", []))
+    types = [t for t in types if t]
+    if types:
+        queryset = queryset.filter(type__in=types)
+    if visibility.bound_path is not None:
+        queryset = queryset.filter(run_path__startswith=visibility.bound_path)
+    if run_id is not None:
+        queryset = queryset.filter(run_path__startswith=run_get(visibility, run_id).path)
+    events = list(queryset.order_by("txid", "id")[:limit])
+    next_cursor = event_cursor(events[-1]) if events else (after or EVENT_CURSOR_START)
+    return events, next_cursor

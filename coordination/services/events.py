@@ -1,0 +1,55 @@
+"""Writing events, always inside the transaction of the change they describe."""
+
+from typing import Any
+
+from django.db import connection
+from django.db.models import Func, IntegerField, Value
+from django.utils import timezone
+
+from coordination.models import Event, Run
+
+
+class CurrentTxid(Func):
+    """The id of the current transaction on PostgreSQL; 0 on SQLite (writers are serialized)."""
+
+    output_field = IntegerField()
+    template = "0"
+
+    def as_postgresql(self, compiler, connection, **extra_context):  # noqa: D102
+        return "pg_current_xact_id()::text::bigint", []
+
+
+def event_record(
+    *,
+    project_id,
+    type: str,
+    run: Run | None,
+    subject_id: object = "",
+    data: dict[str, Any] | None = None,
+) -> Event:
+    """Append one event; call it inside the transaction that makes the change."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("events must be written inside the transaction of their change")
+    event = Event(
+        txid=CurrentTxid() if connection.vendor == "postgresql" else Value(0),
+        project_id=project_id,
+        type=type,
+        run_id=run.id if run is not None else None,
+        run_path=run.path if run is not None else "",
+        subject_id=str(subject_id),
+        data=data or {},
+        created_at=timezone.now(),
+    )
+    event.save(force_insert=True)
+    return event
+
+
+def events_record_many(events: list[Event]) -> None:
+    """Append many prepared events in one statement, inside the change's transaction."""
+    if not events:
+        return
+    if not connection.in_atomic_block:
+        raise RuntimeError("events must be written inside the transaction of their change")
+    for event in events:
+        event.txid = CurrentTxid() if connection.vendor == "postgresql" else 0
+    Event.objects.bulk_create(events)

@@ -1,0 +1,102 @@
+"""Projects and API keys: create, authenticate, revoke."""
+
+import hashlib
+import hmac
+import secrets
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from coordination import exceptions
+from coordination.models import ApiKey, Project, Run
+from coordination.states import Permission
+
+KEY_PREFIX_LENGTH = 12
+ALL_PERMISSIONS = tuple(str(p) for p in Permission)
+
+
+def hash_key(plaintext: str) -> str:
+    """Return the SHA-256 hex digest of a key (keys are random, so no slow hash is needed)."""
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    """A newly created key: the row, and the plaintext shown exactly once."""
+
+    api_key: ApiKey
+    plaintext: str
+
+
+@transaction.atomic
+def project_ensure(*, name: str) -> Project:
+    """Return the project called ``name``, creating it if needed."""
+    project, _ = Project.objects.get_or_create(name=name)
+    return project
+
+
+def _validate_permissions(permissions: list[str]) -> list[str]:
+    unknown = sorted(set(permissions) - set(ALL_PERMISSIONS))
+    if unknown or not permissions:
+        raise exceptions.ValidationFailed(
+            "Unknown or missing permissions.",
+            permissions=f"choose from {', '.join(ALL_PERMISSIONS)}; got {', '.join(unknown) or 'none'}",
+        )
+    return sorted(set(permissions))
+
+
+@transaction.atomic
+def api_key_create(
+    *,
+    project_id: uuid.UUID,
+    permissions: list[str],
+    name: str = "",
+    run_id: uuid.UUID | None = None,
+    expires_at: datetime | None = None,
+) -> IssuedKey:
+    """Create a key and return it with its plaintext, which is stored nowhere."""
+    permissions = _validate_permissions(permissions)
+    if run_id is not None and not Run.objects.filter(id=run_id, project_id=project_id).exists():
+        raise exceptions.NotFound("Run not found.", runId=str(run_id))
+    prefix = secrets.token_hex(KEY_PREFIX_LENGTH // 2)
+    plaintext = f"rs_{prefix}_{secrets.token_urlsafe(32)}"
+    api_key = ApiKey.objects.create(
+        project_id=project_id,
+        name=name,
+        prefix=prefix,
+        key_hash=hash_key(plaintext),
+        permissions=permissions,
+        run_id=run_id,
+        expires_at=expires_at,
+    )
+    return IssuedKey(api_key=api_key, plaintext=plaintext)
+
+
+def api_key_authenticate(plaintext: str) -> ApiKey | None:
+    """Return the usable key matching ``plaintext``, or None (unknown, revoked, expired)."""
+    parts = plaintext.split("_", 2)
+    if len(parts) != 3 or parts[0] != "rs" or len(parts[1]) != KEY_PREFIX_LENGTH:
+        return None
+    api_key = ApiKey.objects.select_related("project", "run").filter(prefix=parts[1]).first()
+    if api_key is None:
+        # Compare anyway so an unknown prefix costs the same as a wrong secret.
+        hmac.compare_digest(hash_key(plaintext), "0" * 64)
+        return None
+    if not hmac.compare_digest(hash_key(plaintext), api_key.key_hash):
+        return None
+    if not api_key.is_usable(timezone.now()):
+        return None
+    return api_key
+
+
+@transaction.atomic
+def api_key_revoke(*, api_key_id: uuid.UUID) -> ApiKey:
+    """Revoke a key; idempotent."""
+    api_key = ApiKey.objects.select_for_update().get(id=api_key_id)
+    if api_key.revoked_at is None:
+        api_key.revoked_at = timezone.now()
+        api_key.save(update_fields=["revoked_at"])
+    return api_key

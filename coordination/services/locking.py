@@ -1,0 +1,88 @@
+"""Row locks on the run chain, in the one house order (root first).
+
+Django's ORM can say ``FOR UPDATE`` and ``FOR NO KEY UPDATE`` but not ``FOR KEY SHARE``,
+the weakest lock that still conflicts with a cancel's ``FOR UPDATE``; this module adds it
+by appending the clause to the ORM's own SQL (so ids keep the backend's representation).
+"""
+
+import enum
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+
+from django.db import connection
+from django.utils import timezone
+
+from coordination import exceptions
+from coordination.models import Run
+from coordination.states import RunState
+
+
+class LockMode(enum.Enum):
+    """Row lock strengths used on runs, weakest first."""
+
+    KEY_SHARE = "FOR KEY SHARE"  # creating work under the run
+    NO_KEY_UPDATE = "FOR NO KEY UPDATE"  # changing the run's counters (child_count)
+    UPDATE = "FOR UPDATE"  # cancelling or completing the run
+
+
+def _lock_runs(ids: Sequence[uuid.UUID], mode: LockMode) -> list[Run]:
+    """Lock the runs with ``ids`` in ``mode``, root first, and return them root first."""
+    if not ids:
+        return []
+    queryset = Run.objects.filter(id__in=list(ids)).order_by("depth")
+    if connection.vendor != "postgresql":
+        # SQLite: the transaction already holds the write lock (BEGIN IMMEDIATE).
+        return list(queryset)
+    sql, params = queryset.query.sql_with_params()
+    # ORDER BY depth runs below the row-locking step, so rows are locked root first.
+    return list(Run.objects.raw(f"{sql} {mode.value}", params))
+
+
+def run_chain_lock(run_id: uuid.UUID, *, project_id, target_mode: LockMode = LockMode.KEY_SHARE) -> list[Run]:
+    """Lock the chain of ``run_id`` root first and return it root first.
+
+    Ancestors get ``FOR KEY SHARE``; the run itself gets ``target_mode``. Raise
+    ``NotFound`` when the run does not exist in ``project_id``.
+    """
+    if not connection.in_atomic_block:
+        raise RuntimeError("run_chain_lock must be called inside transaction.atomic()")
+    path = Run.objects.filter(id=run_id, project_id=project_id).values_list("path", flat=True).first()
+    if path is None:
+        raise exceptions.NotFound("Run not found.", runId=str(run_id))
+    chain_ids = [uuid.UUID(part) for part in path.split("/") if part]
+    if target_mode is LockMode.KEY_SHARE:
+        return _lock_runs(chain_ids, LockMode.KEY_SHARE)
+    ancestors = _lock_runs(chain_ids[:-1], LockMode.KEY_SHARE)
+    return ancestors + _lock_runs(chain_ids[-1:], target_mode)
+
+
+def chain_refusal(chain: Sequence[Run], now: datetime | None = None) -> exceptions.Conflict | None:
+    """Return the error a run with this chain (root first) answers to new work, or None.
+
+    The root-most inactive run names the cause; a stored state outranks a deadline on the
+    same run.
+    """
+    now = now or timezone.now()
+    for run in chain:
+        if run.stored_state == RunState.CANCELLED:
+            return exceptions.ScopeCancelled(runId=str(run.id))
+        if run.stored_state == RunState.COMPLETED:
+            return exceptions.ScopeCompleted(runId=str(run.id))
+        if run.deadline is not None and run.deadline <= now:
+            return exceptions.DeadlineExceeded(runId=str(run.id))
+    return None
+
+
+def run_chain_lock_active(run_id: uuid.UUID, *, project_id, target_mode: LockMode = LockMode.KEY_SHARE) -> list[Run]:
+    """Lock the chain of ``run_id`` (see ``run_chain_lock``) and refuse if it is inactive.
+
+    Every service that creates new work under a run calls this first: once it returns, a
+    concurrent cancel of any run in the chain waits for this transaction to commit, and its
+    cascade then sees what this transaction created.
+    """
+    chain = run_chain_lock(run_id, project_id=project_id, target_mode=target_mode)
+    refusal = chain_refusal(chain)
+    if refusal is not None:
+        raise refusal
+    return chain

@@ -1,0 +1,118 @@
+"""Runs: create, child, cancel, complete. The only writer of ``Run.stored_state``."""
+
+import uuid
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from coordination import exceptions
+from coordination.models import Run
+from coordination.models.runs import MAX_DEPTH
+from coordination.services.cascade import SubtreeEnd, subtree_end
+from coordination.services.events import event_record
+from coordination.services.locking import LockMode, run_chain_lock, run_chain_lock_active
+from coordination.states import RunState
+
+MAX_CHILD_LIMIT = 1_000_000
+
+
+def _validate_run_fields(*, deadline: datetime | None, child_limit: int | None, now: datetime) -> int:
+    errors: dict[str, str] = {}
+    if deadline is not None and deadline <= now:
+        errors["deadline"] = "must be in the future"
+    if child_limit is not None and not 0 <= child_limit <= MAX_CHILD_LIMIT:
+        errors["childLimit"] = f"must be between 0 and {MAX_CHILD_LIMIT}"
+    if errors:
+        raise exceptions.ValidationFailed("Invalid run.", **errors)
+    return settings.RUNSTATE_DEFAULT_CHILD_LIMIT if child_limit is None else child_limit
+
+
+@transaction.atomic
+def run_create(
+    *,
+    project_id: uuid.UUID,
+    parent_id: uuid.UUID | None = None,
+    name: str = "",
+    deadline: datetime | None = None,
+    child_limit: int | None = None,
+) -> Run:
+    """Create a root run, or a child of ``parent_id`` while the parent's chain is active.
+
+    The parent is locked ``FOR NO KEY UPDATE`` (its ancestors ``FOR KEY SHARE``) so that
+    ``childLimit`` holds under concurrent creates and a concurrent cancel of any run in the
+    chain either sees this child in its cascade or refuses it.
+    """
+    now = timezone.now()
+    limit = _validate_run_fields(deadline=deadline, child_limit=child_limit, now=now)
+    run = Run(project_id=project_id, name=name, deadline=deadline, child_limit=limit, created_at=now)
+    run_id = run.id
+    if parent_id is None:
+        run.path = Run.path_for(run_id)
+        run.depth = 0
+    else:
+        chain = run_chain_lock_active(parent_id, project_id=project_id, target_mode=LockMode.NO_KEY_UPDATE)
+        parent = chain[-1]
+        if parent.depth + 1 >= MAX_DEPTH:
+            raise exceptions.ValidationFailed(f"Runs nest at most {MAX_DEPTH} deep.", parentId=str(parent.id))
+        # We hold the parent's row lock, so no other create can interleave between the
+        # check and the increment.
+        if parent.child_count >= parent.child_limit:
+            raise exceptions.ChildLimitReached(runId=str(parent.id), childLimit=parent.child_limit)
+        Run.objects.filter(id=parent.id).update(child_count=F("child_count") + 1)
+        run.parent_id = parent.id
+        run.path = Run.path_for(run_id, parent.path)
+        run.depth = parent.depth + 1
+    run.save(force_insert=True)
+    event_record(
+        project_id=project_id,
+        type="run.created",
+        run=run,
+        subject_id=run.id,
+        data={"parentId": str(parent_id) if parent_id else None, "name": name},
+    )
+    return run
+
+
+def _run_end(*, run_id: uuid.UUID, project_id: uuid.UUID, state: RunState, reason: str | None) -> Run:
+    # FOR UPDATE on the run conflicts with the FOR KEY SHARE that every creator of new
+    # work under it holds: we wait for them to commit, and our cascade below sees their rows.
+    chain = run_chain_lock(run_id, project_id=project_id, target_mode=LockMode.UPDATE)
+    run = chain[-1]
+    if run.stored_state == state:
+        return run
+    if run.stored_state != RunState.ACTIVE:
+        raise (
+            exceptions.ScopeCompleted(runId=str(run.id))
+            if run.stored_state == RunState.COMPLETED
+            else exceptions.ScopeCancelled(runId=str(run.id))
+        )
+    now = timezone.now()
+    run.stored_state = state
+    run.ended_at = now
+    run.cancel_reason = reason if state == RunState.CANCELLED else None
+    run.save(update_fields=["stored_state", "ended_at", "cancel_reason"])
+    subtree_end(SubtreeEnd(run=run, state=state, reason=reason, now=now))
+    event_type = "run.cancelled" if state == RunState.CANCELLED else "run.completed"
+    event_record(project_id=project_id, type=event_type, run=run, subject_id=run.id, data={"reason": reason})
+    return run
+
+
+@transaction.atomic
+def run_cancel(*, run_id: uuid.UUID, project_id: uuid.UUID, reason: str | None = None) -> Run:
+    """Cancel a run and, in the same transaction, end all work in its subtree.
+
+    Idempotent on a cancelled run; ``SCOPE_COMPLETED`` on a completed one.
+    """
+    return _run_end(run_id=run_id, project_id=project_id, state=RunState.CANCELLED, reason=reason)
+
+
+@transaction.atomic
+def run_complete(*, run_id: uuid.UUID, project_id: uuid.UUID) -> Run:
+    """Complete a run and, in the same transaction, end all work in its subtree.
+
+    Idempotent on a completed run; ``SCOPE_CANCELLED`` on a cancelled one.
+    """
+    return _run_end(run_id=run_id, project_id=project_id, state=RunState.COMPLETED, reason=None)

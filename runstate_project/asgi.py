@@ -1,0 +1,13 @@
+"""ASGI entry point (uvicorn in development, gunicorn with uvicorn workers in production)."""
+
+import os
+
+from django.conf import settings
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
+
+application = get_asgi_application()
+if settings.RUNSTATE_SERVE_STATIC:
+    application = ASGIStaticFilesHandler(application)

@@ -1,0 +1,14 @@
+"""Top-level routes: the API under ``/v1``, the admin under ``/admin``."""
+
+from django.contrib import admin
+from django.urls import include, path
+from django.views.generic import RedirectView
+
+urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("admin/", admin.site.urls),
+    path("v1/", include("coordination.api.urls")),
+]
+
+handler404 = "coordination.api.errors.json_not_found"
+handler500 = "coordination.api.errors.json_server_error"

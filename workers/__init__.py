@@ -1,0 +1,1 @@
+"""Celery integration: runstate-aware task decorator, worker runtime, periodic sweeps."""
