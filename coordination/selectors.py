@@ -17,7 +17,7 @@ from django.utils.dateparse import parse_datetime
 from coordination import exceptions
 from coordination.models import Event, Run
 from coordination.services.locking import chain_refusal
-from coordination.states import Effective
+from coordination.states import Effective, InactiveReason
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,13 @@ class EffectiveState:
     cause_run_id: uuid.UUID | None = None
 
 
+_INACTIVE_REASON_BY_CODE = {
+    exceptions.ScopeCancelled.code: InactiveReason.CANCELLED,
+    exceptions.ScopeCompleted.code: InactiveReason.COMPLETED,
+    exceptions.DeadlineExceeded.code: InactiveReason.DEADLINE_EXCEEDED,
+}
+
+
 def runs_effective(runs: Sequence[Run], now: datetime | None = None) -> dict[uuid.UUID, EffectiveState]:
     """Compute the effective state of ``runs`` with one query for all their ancestors."""
     now = now or timezone.now()
@@ -80,7 +87,8 @@ def runs_effective(runs: Sequence[Run], now: datetime | None = None) -> dict[uui
         if refusal is None:
             result[run.id] = EffectiveState(Effective.ACTIVE)
         else:
-            result[run.id] = EffectiveState(Effective.INACTIVE, refusal.code, uuid.UUID(refusal.details["runId"]))
+            reason = _INACTIVE_REASON_BY_CODE[refusal.code]
+            result[run.id] = EffectiveState(Effective.INACTIVE, reason, uuid.UUID(refusal.details["runId"]))
     return result
 
 

@@ -1,0 +1,76 @@
+"""Cancel racing creates: once a cancel commits, nothing new appears under the run."""
+
+import pytest
+
+from coordination import exceptions
+from coordination.models import Run
+from coordination.services.keys import project_ensure
+from coordination.services.runs import run_cancel, run_create
+from tests.concurrency.util import run_in_threads
+
+ROUNDS = 20
+CREATORS = 16
+
+
+@pytest.mark.django_db(transaction=True)
+def test_children_created_during_a_cancel_never_escape_it():
+    """16 threads create children of a run while another cancels it, 20 rounds.
+
+    Every create either committed before the cancel (and is in the cancelled subtree) or is
+    refused with SCOPE_CANCELLED; after the cancel commits no child appears.
+    """
+    project = project_ensure(name="race")
+    refused_total = created_total = 0
+    for _ in range(ROUNDS):
+        parent = run_create(project_id=project.id, child_limit=10_000)
+        children_at_cancel = []
+
+        def creator():
+            outcomes = []
+            for _ in range(4):
+                try:
+                    child = run_create(project_id=project.id, parent_id=parent.id)
+                except exceptions.ScopeCancelled:
+                    outcomes.append("refused")
+                else:
+                    outcomes.append(child.id)
+            return outcomes
+
+        def canceller():
+            run_cancel(run_id=parent.id, project_id=project.id, reason="race")
+            children_at_cancel.append(Run.objects.filter(parent_id=parent.id).count())
+
+        results = run_in_threads([creator] * CREATORS + [canceller])
+        outcomes = [o for r in results[:CREATORS] for o in r]
+        created = [o for o in outcomes if o != "refused"]
+        refused_total += len(outcomes) - len(created)
+        created_total += len(created)
+
+        # Nothing appears after the cancel: the count seen right after commit is final.
+        final_children = Run.objects.filter(parent_id=parent.id).count()
+        assert final_children == children_at_cancel[0] == len(created)
+        parent.refresh_from_db()
+        assert parent.stored_state == "CANCELLED"
+        assert parent.child_count == final_children
+        with pytest.raises(exceptions.ScopeCancelled):
+            run_create(project_id=project.id, parent_id=parent.id)
+    assert refused_total > 0, "the cancel never raced a create"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_child_limit_holds_under_concurrent_creates():
+    """32 threads race for 10 child slots: exactly 10 children, the rest CHILD_LIMIT_REACHED."""
+    project = project_ensure(name="limit")
+    parent = run_create(project_id=project.id, child_limit=10)
+
+    def creator():
+        try:
+            run_create(project_id=project.id, parent_id=parent.id)
+            return "created"
+        except exceptions.ChildLimitReached:
+            return "refused"
+
+    results = run_in_threads([creator] * 32)
+    assert results.count("created") == 10
+    assert results.count("refused") == 22
+    assert Run.objects.filter(parent_id=parent.id).count() == 10
