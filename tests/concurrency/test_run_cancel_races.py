@@ -12,6 +12,41 @@ ROUNDS = 20
 CREATORS = 16
 
 
+def _cancel_racing_creates(project):
+    """Run one round; return how many creates were refused."""
+    parent = run_create(project_id=project.id, child_limit=10_000)
+    children_at_cancel = []
+
+    def creator():
+        outcomes = []
+        for _ in range(4):
+            try:
+                outcomes.append(run_create(project_id=project.id, parent_id=parent.id).id)
+            except exceptions.ScopeCancelled:
+                outcomes.append("refused")
+        return outcomes
+
+    def canceller():
+        run_cancel(run_id=parent.id, project_id=project.id, reason="race")
+        children_at_cancel.append(Run.objects.filter(parent_id=parent.id).count())
+
+    results = run_in_threads([creator] * CREATORS + [canceller])
+    outcomes = [o for r in results[:CREATORS] for o in r]
+    created = [o for o in outcomes if o != "refused"]
+
+    # Nothing appears after the cancel: the count seen right after its commit is final,
+    # and it is exactly the set of creates that succeeded.
+    final_children = set(Run.objects.filter(parent_id=parent.id).values_list("id", flat=True))
+    assert final_children == set(created)
+    assert children_at_cancel == [len(created)]
+    parent.refresh_from_db()
+    assert parent.stored_state == "CANCELLED"
+    assert parent.child_count == len(created)
+    with pytest.raises(exceptions.ScopeCancelled):
+        run_create(project_id=project.id, parent_id=parent.id)
+    return len(outcomes) - len(created)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_children_created_during_a_cancel_never_escape_it():
     """16 threads create children of a run while another cancels it, 20 rounds.
@@ -20,41 +55,8 @@ def test_children_created_during_a_cancel_never_escape_it():
     refused with SCOPE_CANCELLED; after the cancel commits no child appears.
     """
     project = project_ensure(name="race")
-    refused_total = created_total = 0
-    for _ in range(ROUNDS):
-        parent = run_create(project_id=project.id, child_limit=10_000)
-        children_at_cancel = []
-
-        def creator():
-            outcomes = []
-            for _ in range(4):
-                try:
-                    child = run_create(project_id=project.id, parent_id=parent.id)
-                except exceptions.ScopeCancelled:
-                    outcomes.append("refused")
-                else:
-                    outcomes.append(child.id)
-            return outcomes
-
-        def canceller():
-            run_cancel(run_id=parent.id, project_id=project.id, reason="race")
-            children_at_cancel.append(Run.objects.filter(parent_id=parent.id).count())
-
-        results = run_in_threads([creator] * CREATORS + [canceller])
-        outcomes = [o for r in results[:CREATORS] for o in r]
-        created = [o for o in outcomes if o != "refused"]
-        refused_total += len(outcomes) - len(created)
-        created_total += len(created)
-
-        # Nothing appears after the cancel: the count seen right after commit is final.
-        final_children = Run.objects.filter(parent_id=parent.id).count()
-        assert final_children == children_at_cancel[0] == len(created)
-        parent.refresh_from_db()
-        assert parent.stored_state == "CANCELLED"
-        assert parent.child_count == final_children
-        with pytest.raises(exceptions.ScopeCancelled):
-            run_create(project_id=project.id, parent_id=parent.id)
-    assert refused_total > 0, "the cancel never raced a create"
+    refused = sum(_cancel_racing_creates(project) for _ in range(ROUNDS))
+    assert refused > 0, "the cancel never raced a create"
 
 
 @pytest.mark.django_db(transaction=True)
