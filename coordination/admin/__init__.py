@@ -1,0 +1,12 @@
+"""The operator dashboard: one ModelAdmin module per aggregate.
+
+Every change made here goes through ``coordination.services``; the admin never writes a
+state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
+"""
+
+from .events import EventAdmin
+from .keys import ApiKeyAdmin
+from .projects import ProjectAdmin
+from .runs import RunAdmin
+
+__all__ = ["ApiKeyAdmin", "EventAdmin", "ProjectAdmin", "RunAdmin"]

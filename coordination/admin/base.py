@@ -1,0 +1,71 @@
+"""What the coordination admins share: links, and rows created and changed the house way."""
+
+import uuid
+
+from django.contrib import admin
+from django.contrib.admin.utils import quote
+from django.db.models import Model
+from django.urls import reverse
+from django.utils.html import format_html
+
+
+def change_url(obj: Model) -> str:
+    """Return the admin change page of ``obj``."""
+    opts = obj._meta
+    return reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[quote(obj.pk)])
+
+
+def changelist_url(model: type[Model]) -> str:
+    """Return the admin changelist of ``model``."""
+    opts = model._meta
+    return reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist")
+
+
+def change_link(obj: Model, label: object = None) -> str:
+    """Return an HTML link to the change page of ``obj``."""
+    return format_html('<a href="{}">{}</a>', change_url(obj), obj if label is None else label)
+
+
+class ServiceBackedAdmin(admin.ModelAdmin):
+    """Create rows through a service and change only plain labels, never state.
+
+    On add, ``create_through_service`` makes the row (the admin still logs it and redirects as
+    usual). On change, only the fields in ``editable_on_change`` are written, with
+    ``update_fields``: the admin's copy of the row was read before the form was posted, and a
+    full ``save()`` would write back state that a service changed in the meantime.
+    """
+
+    editable_on_change: tuple[str, ...] = ()
+
+    def create_through_service(self, request, form) -> Model:
+        """Create the row from a valid add form through its service, and return it."""
+        raise NotImplementedError
+
+    def save_form(self, request, form, change):  # noqa: D102
+        if change:
+            return super().save_form(request, form, change)
+        return self.create_through_service(request, form)
+
+    def save_model(self, request, obj, form, change):  # noqa: D102
+        if not change:
+            return  # the service saved it in save_form
+        fields = [name for name in self.editable_on_change if name in form.changed_data]
+        if fields:
+            obj.save(update_fields=fields)
+
+    def save_related(self, request, form, formsets, change):  # noqa: D102
+        if change:
+            super().save_related(request, form, formsets, change)
+
+
+def parse_uuid(text: str) -> uuid.UUID | None:
+    """Return ``text`` as a UUID, or None when it is not one."""
+    try:
+        return uuid.UUID(text.strip())
+    except ValueError:
+        return None
+
+
+def count_of(number: int, noun: str) -> str:
+    """Return ``number`` with ``noun``, plural unless it is one ("1 run", "2 runs")."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
