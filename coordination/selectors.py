@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from coordination import exceptions
-from coordination.models import Event, Run
+from coordination.models import Event, Run, Task
 from coordination.services.locking import chain_refusal
 from coordination.states import Effective, InactiveReason
 
@@ -202,3 +202,18 @@ def event_list(
     events = list(queryset.order_by("txid", "id")[:limit])
     next_cursor = event_cursor(events[-1]) if events else (after or EVENT_CURSOR_START)
     return events, next_cursor
+
+
+# Work ------------------------------------------------------------------------------------
+
+
+def task_get(visibility: Visibility, task_id: object) -> Task:
+    """Return a visible task, or raise ``NotFound``."""
+    task = (
+        Task.objects.select_related("mailbox")
+        .filter(project_id=visibility.project_id, id=parse_id(task_id, what="Task"))
+        .first()
+    )
+    if task is None or not visibility.sees_path(task.run_path):
+        raise exceptions.NotFound("Task not found.", taskId=str(task_id))
+    return task

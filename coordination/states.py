@@ -36,3 +36,40 @@ class Permission(models.TextChoices):
     RESOURCE_CONFIG = "resource_config"  # ensure mailboxes, create barriers
     COORDINATION_WRITE = "coordination_write"  # every other change
     COORDINATION_READ = "coordination_read"  # reads and waits
+
+
+class MailboxMode(models.TextChoices):
+    """What a mailbox holds."""
+
+    WORK = "WORK"  # tasks, each done once under a lease
+    QUEUE = "QUEUE"  # messages, delivered under a visibility lease
+
+
+class TaskState(models.TextChoices):
+    """A task's lifecycle; written only by ``coordination.services.tasks``."""
+
+    QUEUED = "QUEUED"  # claimable once ``available_at`` has passed
+    RUNNING = "RUNNING"  # claimed; the claim holds a lease until ``lease_expires_at``
+    CANCELLATION_REQUESTED = "CANCELLATION_REQUESTED"  # running, and asked to stop
+    SUCCEEDED = "SUCCEEDED"  # completed by its claim
+    FAILED = "FAILED"  # failed with no retry left (or after a cancellation request)
+    CANCELLED = "CANCELLED"  # cancelled before finishing (run cancel, task cancel, group)
+    EXPIRED = "EXPIRED"  # still queued at ``expires_at``, or its run's deadline passed
+
+
+TASK_TERMINAL = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELLED, TaskState.EXPIRED})
+TASK_HELD = frozenset({TaskState.RUNNING, TaskState.CANCELLATION_REQUESTED})
+TASK_UNFINISHED = frozenset({TaskState.QUEUED}) | TASK_HELD
+
+
+class MessageState(models.TextChoices):
+    """A queue message's lifecycle; written only by ``coordination.services.messages``."""
+
+    QUEUED = "QUEUED"  # receivable once ``visible_at`` has passed
+    IN_FLIGHT = "IN_FLIGHT"  # received; invisible until ``visible_at``, then delivered again
+    COMPLETED = "COMPLETED"  # acknowledged
+    DEAD_LETTERED = "DEAD_LETTERED"  # rejected; kept for reading
+    CANCELLED = "CANCELLED"  # its run was cancelled or completed before it was handled
+
+
+MESSAGE_TERMINAL = frozenset({MessageState.COMPLETED, MessageState.DEAD_LETTERED, MessageState.CANCELLED})

@@ -2,8 +2,10 @@
 
 from datetime import UTC, datetime
 
-from coordination.models import Event, Run
+from coordination.models import Event, Mailbox, Run, Task
 from coordination.selectors import EffectiveState, event_cursor
+from coordination.services.tasks import Claim
+from coordination.states import TaskState
 
 
 def iso(value: datetime | None) -> str | None:
@@ -40,4 +42,51 @@ def present_event(event: Event) -> dict:
         "subjectId": event.subject_id,
         "data": event.data,
         "createdAt": iso(event.created_at),
+    }
+
+
+def present_mailbox(mailbox: Mailbox) -> dict:
+    """Return the API shape of a mailbox."""
+    return {
+        "name": mailbox.name,
+        "mode": mailbox.mode,
+        "leaseTtlMs": mailbox.lease_ttl_ms,
+        "maxAttempts": mailbox.max_attempts,
+        "createdAt": iso(mailbox.created_at),
+    }
+
+
+def present_task(task: Task, mailbox_name: str | None = None) -> dict:
+    """Return the API shape of a task."""
+    return {
+        "id": str(task.id),
+        "mailbox": mailbox_name or task.mailbox.name,
+        "runId": str(task.run_id),
+        "key": task.key,
+        "input": task.input,
+        "state": task.state,
+        "outcome": task.outcome,
+        "error": task.error,
+        "attempts": task.attempts,
+        "maxAttempts": task.max_attempts,
+        "priority": task.priority,
+        "groupId": None,
+        "createdAt": iso(task.created_at),
+        "startedAt": iso(task.started_at),
+        "finishedAt": iso(task.finished_at),
+        "expiresAt": iso(task.expires_at),
+        "cancelReason": task.cancel_reason,
+        "workerId": task.worker_id or None,
+        "leaseExpiresAt": iso(task.lease_expires_at),
+    }
+
+
+def present_claim(claim: Claim, mailbox_name: str | None = None) -> dict:
+    """Return the API shape of a claim."""
+    return {
+        "claimId": claim.claim_id,
+        "attempt": claim.attempt,
+        "leaseExpiresAt": iso(claim.lease_expires_at),
+        "cancellationRequested": claim.task.state == TaskState.CANCELLATION_REQUESTED,
+        "task": present_task(claim.task, mailbox_name),
     }

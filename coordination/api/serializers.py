@@ -3,7 +3,7 @@
 from django.conf import settings
 from rest_framework import serializers
 
-from coordination.states import Effective, InactiveReason, RunState
+from coordination.states import Effective, InactiveReason, MailboxMode, RunState, TaskState
 
 MAX_NAME_LENGTH = 200
 MAX_REASON_LENGTH = 1000
@@ -139,3 +139,120 @@ class HealthOut(serializers.Serializer):
 
     status = serializers.CharField()
     checks = serializers.DictField(required=False)
+
+
+# Mailboxes, tasks, claims ----------------------------------------------------------------
+
+MAX_KEY_LENGTH = 200
+
+
+class MailboxEnsureIn(StrictSerializer):
+    """Body of ``PUT /v1/mailboxes/{name}``."""
+
+    mode = serializers.ChoiceField(choices=MailboxMode.choices)
+    leaseTtlMs = serializers.IntegerField(required=False, min_value=100, max_value=86_400_000)
+    maxAttempts = serializers.IntegerField(required=False, min_value=1, max_value=1000)
+
+
+class MailboxOut(serializers.Serializer):
+    """A mailbox."""
+
+    name = serializers.CharField()
+    mode = serializers.ChoiceField(choices=MailboxMode.choices)
+    leaseTtlMs = serializers.IntegerField()
+    maxAttempts = serializers.IntegerField()
+    createdAt = serializers.DateTimeField()
+
+
+class TaskSubmitIn(StrictSerializer):
+    """Body of ``POST /v1/mailboxes/{name}/tasks``."""
+
+    runId = serializers.CharField(max_length=100)
+    input = serializers.JSONField(required=False, default=dict)
+    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+    priority = serializers.IntegerField(required=False, min_value=-1_000_000, max_value=1_000_000, default=0)
+    maxAttempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    expiresAt = serializers.DateTimeField(required=False, allow_null=True, default=None)
+
+
+class TaskOut(serializers.Serializer):
+    """A task."""
+
+    id = serializers.CharField()
+    mailbox = serializers.CharField()
+    runId = serializers.CharField()
+    key = serializers.CharField(allow_null=True)
+    input = serializers.JSONField()
+    state = serializers.ChoiceField(choices=TaskState.choices)
+    outcome = serializers.JSONField(allow_null=True)
+    error = serializers.JSONField(allow_null=True)
+    attempts = serializers.IntegerField()
+    maxAttempts = serializers.IntegerField()
+    priority = serializers.IntegerField()
+    groupId = serializers.CharField(allow_null=True)
+    createdAt = serializers.DateTimeField()
+    startedAt = serializers.DateTimeField(allow_null=True)
+    finishedAt = serializers.DateTimeField(allow_null=True)
+    expiresAt = serializers.DateTimeField(allow_null=True)
+    cancelReason = serializers.CharField(allow_null=True)
+    workerId = serializers.CharField(allow_null=True)
+    leaseExpiresAt = serializers.DateTimeField(allow_null=True)
+
+
+class TaskCancelIn(StrictSerializer):
+    """Body of ``POST /v1/tasks/{id}/cancel``."""
+
+    reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
+    graceMs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=86_400_000)
+
+
+class WaitQuery(serializers.Serializer):
+    """``?timeoutMs=`` of a long-poll (clamped to 30 s)."""
+
+    timeoutMs = serializers.IntegerField(required=False, min_value=0, default=0)
+
+
+class ClaimIn(StrictSerializer):
+    """Body of ``POST /v1/mailboxes/{name}/claims``."""
+
+    runId = serializers.CharField(max_length=100)
+    workerId = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
+    leaseTtlMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+    max = serializers.IntegerField(required=False, min_value=1, max_value=100, default=1)
+    waitMs = serializers.IntegerField(required=False, min_value=0, default=0)
+
+
+class ClaimOut(serializers.Serializer):
+    """A claim: the task and the lease that fences every operation on it."""
+
+    claimId = serializers.CharField()
+    attempt = serializers.IntegerField()
+    leaseExpiresAt = serializers.DateTimeField()
+    cancellationRequested = serializers.BooleanField()
+    task = TaskOut()
+
+
+class ClaimsOut(serializers.Serializer):
+    """Claims handed out by one call (possibly none)."""
+
+    claims = ClaimOut(many=True)
+
+
+class RenewIn(StrictSerializer):
+    """Body of ``POST /v1/claims/{id}/renew``."""
+
+    leaseTtlMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+
+
+class CompleteIn(StrictSerializer):
+    """Body of ``POST /v1/claims/{id}/complete``."""
+
+    outcome = serializers.JSONField(required=False, allow_null=True, default=None)
+
+
+class FailIn(StrictSerializer):
+    """Body of ``POST /v1/claims/{id}/fail``."""
+
+    error = serializers.JSONField(required=False, allow_null=True, default=None)
+    retry = serializers.BooleanField(required=False, default=False)
+    retryDelayMs = serializers.IntegerField(required=False, min_value=0, max_value=86_400_000, default=0)

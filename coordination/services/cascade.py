@@ -1,7 +1,7 @@
 """The end of a run's subtree: what a cancel or complete does below the run, in one place.
 
 ``run_cancel`` and ``run_complete`` call ``subtree_end`` inside their own transaction after
-locking the run ``FOR UPDATE``. Each feature adds its step to ``CASCADE_STEPS`` in the house
+locking the run ``FOR UPDATE``. Each feature adds its step to ``cascade_steps`` in the house
 lock order (groups before tasks before barriers and timers), so the whole effect stays one
 transaction as features arrive.
 """
@@ -31,11 +31,20 @@ class SubtreeEnd:
 
 CascadeStep = Callable[[SubtreeEnd], None]
 
-# Filled in house lock order; every step runs inside the cancel's transaction.
-CASCADE_STEPS: list[CascadeStep] = []
+
+def cascade_steps() -> tuple[CascadeStep, ...]:
+    """Return the steps in house lock order (groups, then tasks, then barriers and timers).
+
+    Each step lives with its aggregate; importing here, not at module level, keeps the
+    aggregates free to import this module.
+    """
+    from coordination.services.messages import messages_cancel_subtree
+    from coordination.services.tasks import tasks_cancel_subtree
+
+    return (tasks_cancel_subtree, messages_cancel_subtree)
 
 
 def subtree_end(end: SubtreeEnd) -> None:
-    """Apply every registered step to the subtree of ``end.run``."""
-    for step in CASCADE_STEPS:
+    """Apply every step to the subtree of ``end.run``, inside the caller's transaction."""
+    for step in cascade_steps():
         step(end)

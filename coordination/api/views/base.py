@@ -1,5 +1,6 @@
 """The base of every API view."""
 
+from adrf.views import APIView as AsyncAPIView
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework.views import APIView
 
@@ -49,3 +50,12 @@ class ApiView(APIView):
         serializer = serializer_class(data=self.request.query_params)
         serializer.is_valid(raise_exception=True)
         return serializer.validated_data
+
+
+class AsyncApiView(AsyncAPIView, ApiView):
+    """An API view whose handlers are ``async def`` (long-polls).
+
+    Authentication and permission checks run before the handler (in a thread); the handler
+    then calls services through ``coordination.api.longpoll.db``, which returns the
+    connection after each call, so a waiting request holds no database connection.
+    """

@@ -1,0 +1,197 @@
+"""Mailboxes, tasks and claims: ``/v1/mailboxes/...``, ``/v1/tasks/...``, ``/v1/claims/...``."""
+
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework.response import Response
+
+from coordination import selectors
+from coordination.api import serializers as s
+from coordination.api.longpoll import db, long_poll, release_request_connection
+from coordination.api.presenters import present_claim, present_mailbox, present_task
+from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.services import tasks as task_services
+from coordination.services.mailboxes import mailbox_ensure, mailbox_get
+from coordination.states import TASK_TERMINAL, MailboxMode, Permission
+
+
+class MailboxView(ApiView):
+    """Ensure or read a mailbox."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ, "PUT": Permission.RESOURCE_CONFIG}
+
+    @extend_schema(
+        operation_id="mailboxes_ensure",
+        request=s.MailboxEnsureIn,
+        responses=with_errors({200: s.MailboxOut, 201: s.MailboxOut}),
+    )
+    def put(self, request, name):
+        """Ensure the mailbox exists with this mode: 201 when created, 200 when found."""
+        data = self.body(s.MailboxEnsureIn)
+        mailbox, created = mailbox_ensure(
+            project_id=self.project_id,
+            name=name,
+            mode=data["mode"],
+            lease_ttl_ms=data.get("leaseTtlMs"),
+            max_attempts=data.get("maxAttempts"),
+        )
+        headers = {"Location": f"/v1/mailboxes/{mailbox.name}"} if created else {}
+        return Response(present_mailbox(mailbox), status=201 if created else 200, headers=headers)
+
+    @extend_schema(operation_id="mailboxes_retrieve", responses=with_errors({200: s.MailboxOut}))
+    def get(self, request, name):
+        """Return the mailbox."""
+        return Response(present_mailbox(mailbox_get(project_id=self.project_id, name=name)))
+
+
+class TaskSubmitView(ApiView):
+    """Submit a task to a WORK mailbox."""
+
+    @extend_schema(
+        operation_id="tasks_submit",
+        request=s.TaskSubmitIn,
+        responses=with_errors({201: s.TaskOut, 200: OpenApiResponse(s.TaskOut, description="idempotent resubmit")}),
+    )
+    def post(self, request, name):
+        """Submit a task under ``runId``; the same ``key`` and input answer the existing task (200)."""
+        data = self.body(s.TaskSubmitIn)
+        mailbox = mailbox_get(project_id=self.project_id, name=name, mode=MailboxMode.WORK)
+        run = selectors.run_get(self.visibility, data["runId"])
+        task, created = task_services.task_submit(
+            project_id=self.project_id,
+            mailbox=mailbox,
+            run_id=run.id,
+            input=data["input"],
+            key=data["key"],
+            priority=data["priority"],
+            max_attempts=data.get("maxAttempts"),
+            expires_at=data["expiresAt"],
+        )
+        if not created:
+            return Response(present_task(task, mailbox.name))
+        return Response(present_task(task, mailbox.name), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
+
+
+class TaskDetailView(ApiView):
+    """Read a task."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ}
+
+    @extend_schema(operation_id="tasks_retrieve", responses=with_errors({200: s.TaskOut}))
+    def get(self, request, task_id):
+        """Return the task."""
+        return Response(present_task(selectors.task_get(self.visibility, task_id)))
+
+
+class TaskResultView(AsyncApiView):
+    """Long-poll a task until it is terminal."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ}
+
+    @extend_schema(operation_id="tasks_result", parameters=[s.WaitQuery], responses=with_errors({200: s.TaskOut}))
+    async def get(self, request, task_id):
+        """Answer once the task is terminal, or with its current state after ``timeoutMs`` (max 30 s)."""
+        query = self.query(s.WaitQuery)
+        visibility = self.visibility
+        task = await db(selectors.task_get, visibility, task_id)
+        await release_request_connection()
+        task = await long_poll(
+            lambda: selectors.task_get(visibility, task.id),
+            done=lambda t: t.state in TASK_TERMINAL,
+            topics=[task.id],
+            timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
+        )
+        return Response(present_task(task))
+
+
+class TaskCancelView(ApiView):
+    """Cooperatively cancel one task."""
+
+    @extend_schema(operation_id="tasks_cancel", request=s.TaskCancelIn, responses=with_errors({200: s.TaskOut}))
+    def post(self, request, task_id):
+        """Cancel a queued task at once, ask a running one to stop; a finished task is unchanged."""
+        data = self.body(s.TaskCancelIn)
+        task = selectors.task_get(self.visibility, task_id)
+        task = task_services.task_cancel(
+            project_id=self.project_id, task_id=task.id, reason=data.get("reason") or None, grace_ms=data.get("graceMs")
+        )
+        return Response(present_task(task))
+
+
+class ClaimCollectionView(AsyncApiView):
+    """Claim tasks of exactly one run, optionally waiting for them."""
+
+    @extend_schema(operation_id="claims_create", request=s.ClaimIn, responses=with_errors({200: s.ClaimsOut}))
+    async def post(self, request, name):
+        """Claim up to ``max`` tasks of ``runId``; with ``waitMs``, wait up to that long (max 30 s) for one."""
+        data = self.body(s.ClaimIn)
+        project_id, visibility = self.project_id, self.visibility
+
+        def lookup():
+            mailbox = mailbox_get(project_id=project_id, name=name, mode=MailboxMode.WORK)
+            return mailbox, selectors.run_get(visibility, data["runId"])
+
+        mailbox, run = await db(lookup)
+        await release_request_connection()
+
+        def claim():
+            return task_services.task_claim(
+                project_id=project_id,
+                mailbox=mailbox,
+                run_id=run.id,
+                worker_id=data["workerId"],
+                lease_ttl_ms=data.get("leaseTtlMs"),
+                max_claims=data["max"],
+            )
+
+        claims = await long_poll(claim, done=bool, topics=run.chain_ids, timeout_ms=s.clamp_wait_ms(data["waitMs"]))
+        return Response({"claims": [present_claim(c, mailbox.name) for c in claims]})
+
+
+class ClaimRenewView(ApiView):
+    """Extend a claim's lease."""
+
+    @extend_schema(operation_id="claims_renew", request=s.RenewIn, responses=with_errors({200: s.ClaimOut}))
+    def post(self, request, claim_id):
+        """Renew the lease; ``cancellationRequested`` tells the worker to stop."""
+        data = self.body(s.RenewIn)
+        claim = task_services.claim_renew(
+            project_id=self.project_id, claim_id=claim_id, lease_ttl_ms=data.get("leaseTtlMs")
+        )
+        return Response(present_claim(claim))
+
+
+class ClaimCompleteView(ApiView):
+    """Complete a claimed task."""
+
+    @extend_schema(operation_id="claims_complete", request=s.CompleteIn, responses=with_errors({200: s.TaskOut}))
+    def post(self, request, claim_id):
+        """Record the outcome (``CANCELLED`` instead if cancellation was requested)."""
+        data = self.body(s.CompleteIn)
+        task = task_services.claim_complete(project_id=self.project_id, claim_id=claim_id, outcome=data["outcome"])
+        return Response(present_task(task))
+
+
+class ClaimFailView(ApiView):
+    """Fail a claimed task."""
+
+    @extend_schema(operation_id="claims_fail", request=s.FailIn, responses=with_errors({200: s.TaskOut}))
+    def post(self, request, claim_id):
+        """Record a failure; with ``retry`` the task is queued again while attempts remain."""
+        data = self.body(s.FailIn)
+        task = task_services.claim_fail(
+            project_id=self.project_id,
+            claim_id=claim_id,
+            error=data["error"],
+            retry=data["retry"],
+            retry_delay_ms=data["retryDelayMs"],
+        )
+        return Response(present_task(task))
+
+
+class ClaimReleaseView(ApiView):
+    """Give a claimed task back."""
+
+    @extend_schema(operation_id="claims_release", request=None, responses=with_errors({200: s.TaskOut}))
+    def post(self, request, claim_id):
+        """Put the task back in the queue (still allowed after the run was cancelled)."""
+        task = task_services.claim_release(project_id=self.project_id, claim_id=claim_id)
+        return Response(present_task(task))

@@ -1,0 +1,148 @@
+"""Wake long-polls when something they wait for commits.
+
+On PostgreSQL every event row fires ``NOTIFY runstate, '<subject_id> <run_id>'`` from a
+trigger, delivered when (and only if) its transaction commits. One thread per process holds
+a ``LISTEN`` connection and wakes the asyncio waiters registered for either id. Waiters
+subscribe *before* they read the database, so a notification can never fall between their
+read and their wait; after a reconnect every waiter is woken once to re-read, since
+notifications sent while disconnected are lost. On SQLite there is no NOTIFY and waiters
+poll on a short interval instead.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+from django.db import connections
+
+logger = logging.getLogger(__name__)
+
+CHANNEL = "runstate"
+SQLITE_POLL_S = 0.05
+
+
+class Waiter:
+    """One long-poll's wake-up flag, set from the listener thread."""
+
+    def __init__(self, topics: frozenset[str]) -> None:
+        self.topics = topics
+        self.loop = asyncio.get_running_loop()
+        self.event = asyncio.Event()
+
+    def wake(self) -> None:
+        """Set the flag from any thread."""
+        self.loop.call_soon_threadsafe(self.event.set)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a wake-up; return whether one came. Clears the flag."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout=max(timeout_s, 0))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.event.clear()
+
+
+class NotificationHub:
+    """A process-wide LISTEN connection fanning notifications out to waiters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_topic: dict[str, set[Waiter]] = defaultdict(set)
+        self._listening = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def enabled() -> bool:
+        """Tell whether the database can notify (PostgreSQL)."""
+        return connections["default"].vendor == "postgresql"
+
+    def subscribe(self, topics: Iterable[object]) -> Waiter:
+        """Register a waiter for ``topics`` (ids); call ``unsubscribe`` when done."""
+        waiter = Waiter(frozenset(str(t) for t in topics))
+        with self._lock:
+            for topic in waiter.topics:
+                self._by_topic[topic].add(waiter)
+        if self.enabled():
+            self._ensure_thread()
+        return waiter
+
+    def unsubscribe(self, waiter: Waiter) -> None:
+        """Forget a waiter."""
+        with self._lock:
+            for topic in waiter.topics:
+                waiters = self._by_topic.get(topic)
+                if waiters is not None:
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._by_topic[topic]
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._listen_forever, name="runstate-listen", daemon=True)
+                self._thread.start()
+
+    async def ready(self, timeout_s: float = 2.0) -> None:
+        """Wait (without blocking the loop) until LISTEN is in place, at most ``timeout_s``.
+
+        Until then a notification could be missed; waiters still re-read on their recheck
+        interval, so a slow start costs latency, never correctness.
+        """
+        if self.enabled() and not self._listening.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, self._listening.wait, timeout_s)
+
+    def _dispatch(self, payload: str) -> None:
+        with self._lock:
+            waiters = {w for topic in payload.split() for w in self._by_topic.get(topic, ())}
+        for waiter in waiters:
+            waiter.wake()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters = {w for ws in self._by_topic.values() for w in ws}
+        for waiter in waiters:
+            waiter.wake()
+
+    def _connect(self):
+        import psycopg
+
+        params = connections["default"].get_connection_params()
+        for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
+            params.pop(key, None)
+        conn = psycopg.connect(**params, autocommit=True)
+        conn.execute(f"LISTEN {CHANNEL}")
+        return conn
+
+    def _listen_forever(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                conn = self._connect()
+            except Exception:  # noqa: BLE001 - keep trying; waiters fall back to rechecks
+                logger.warning("LISTEN connection failed; retrying in %.1fs", backoff, exc_info=True)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            self._listening.set()
+            self._wake_all()
+            try:
+                while True:
+                    for notify in conn.notifies(timeout=5.0):
+                        self._dispatch(notify.payload)
+            except Exception:  # noqa: BLE001 - reconnect below
+                logger.warning("LISTEN connection lost; reconnecting", exc_info=True)
+            finally:
+                self._listening.clear()
+                try:
+                    conn.close()
+                except Exception:  # noqa: BLE001, S110 - already broken
+                    pass
+
+
+hub = NotificationHub()
