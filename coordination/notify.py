@@ -54,6 +54,7 @@ class NotificationHub:
         self._lock = threading.Lock()
         self._by_topic: dict[str, set[Waiter]] = defaultdict(set)
         self._listening = threading.Event()
+        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     @staticmethod
@@ -67,8 +68,6 @@ class NotificationHub:
         with self._lock:
             for topic in waiter.topics:
                 self._by_topic[topic].add(waiter)
-        if self.enabled():
-            self._ensure_thread()
         return waiter
 
     def unsubscribe(self, waiter: Waiter) -> None:
@@ -80,6 +79,16 @@ class NotificationHub:
                     waiters.discard(waiter)
                     if not waiters:
                         del self._by_topic[topic]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close the LISTEN connection and end the thread (tests, before dropping the database)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping.set()
+        thread.join(timeout_s)
+        self._thread = None
+        self._stopping.clear()
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -94,6 +103,7 @@ class NotificationHub:
         interval, so a slow start costs latency, never correctness.
         """
         if self.enabled() and not self._listening.is_set():
+            self._ensure_thread()
             await asyncio.get_running_loop().run_in_executor(None, self._listening.wait, timeout_s)
 
     def _dispatch(self, payload: str) -> None:
@@ -120,7 +130,7 @@ class NotificationHub:
 
     def _listen_forever(self) -> None:
         backoff = 0.1
-        while True:
+        while not self._stopping.is_set():
             try:
                 conn = self._connect()
             except Exception:  # noqa: BLE001 - keep trying; waiters fall back to rechecks
@@ -132,8 +142,8 @@ class NotificationHub:
             self._listening.set()
             self._wake_all()
             try:
-                while True:
-                    for notify in conn.notifies(timeout=5.0):
+                while not self._stopping.is_set():
+                    for notify in conn.notifies(timeout=0.5):
                         self._dispatch(notify.payload)
             except Exception:  # noqa: BLE001 - reconnect below
                 logger.warning("LISTEN connection lost; reconnecting", exc_info=True)

@@ -60,3 +60,12 @@ def other_api(other_project):
 @pytest.fixture
 def anon():
     return APIClient()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_listener_before_dropping_the_database(django_db_setup):
+    """Close the NOTIFY listener's connection so the test database can be dropped."""
+    yield
+    from coordination.notify import hub
+
+    hub.stop()

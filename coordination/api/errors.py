@@ -78,7 +78,7 @@ def exception_handler(exc, context):
             status=503,
             headers={"Retry-After": "1"},
         )
-    if isinstance(exc, DatabaseError):
+    if isinstance(exc, DatabaseError) and transaction.get_connection().in_atomic_block:
         # Roll back whatever the request wrote; let Django's 500 handler report it.
         transaction.set_rollback(True)
     return None

@@ -13,6 +13,16 @@ from coordination.notify import SQLITE_POLL_S, hub
 RECHECK_S = 1.0
 
 
+async def in_request[T](fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run ``fn`` on the request's own thread and connection (no wait follows)."""
+    return await sync_to_async(fn)(*args, **kwargs)
+
+
+def _close_connection() -> None:
+    # Resolve the proxy here, in the thread whose connection is to be closed.
+    connection.close()
+
+
 async def db[T](fn: Callable[..., T], *args, **kwargs) -> T:
     """Run ``fn`` in a worker thread, then close that thread's connection."""
 
@@ -25,33 +35,34 @@ async def db[T](fn: Callable[..., T], *args, **kwargs) -> T:
     return await sync_to_async(call, thread_sensitive=False)()
 
 
-async def release_request_connection() -> None:
-    """Close the connection the request used for authentication before a long wait."""
-    await sync_to_async(connection.close)()
-
-
 async def long_poll[T](
     read: Callable[[], T], *, done: Callable[[T], bool], topics: Iterable[object], timeout_ms: int
 ) -> T:
     """Call ``read`` until ``done(value)`` or ``timeout_ms`` passes; return the last value.
 
-    The waiter subscribes before the first read, so a commit that lands between a read and
-    the wait still wakes it.
+    The first read runs like any request. Before waiting, the request's connection is
+    closed and every later read borrows one only for its own duration. The waiter
+    subscribes before the first read, so a commit between a read and the wait still wakes it.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
     waiter = hub.subscribe(topics)
     try:
-        if timeout_ms > 0:
-            await hub.ready()
+        value = await in_request(read)
+        if done(value) or timeout_ms <= 0:
+            return value
+        await sync_to_async(_close_connection)()
+        await hub.ready()
         while True:
-            value = await db(read)
             remaining = deadline - loop.time()
-            if done(value) or remaining <= 0:
+            if remaining <= 0:
                 return value
             if hub.enabled():
                 await waiter.wait(min(remaining, RECHECK_S))
             else:
                 await asyncio.sleep(min(remaining, SQLITE_POLL_S))
+            value = await db(read)
+            if done(value):
+                return value
     finally:
         hub.unsubscribe(waiter)

@@ -104,6 +104,7 @@ def test_plaintext_key_is_stored_in_no_table(api, project):
                 assert secret not in dump, table
 
 
+@pytest.mark.django_db(transaction=True)  # on PostgreSQL events are readable once committed
 def test_bound_key_sees_only_its_subtree(project, api):
     root = run_create(project_id=project.id)
     scoped = run_create(project_id=project.id, parent_id=root.id)

@@ -17,10 +17,12 @@ def test_readyz_checks_database_and_broker(anon):
     assert response.json()["checks"] == {"database": "ok", "broker": "ok"}
 
 
-def test_readyz_is_503_with_an_envelope_when_the_broker_is_down(anon, settings):
+def test_readyz_is_503_with_an_envelope_when_the_broker_is_down(anon, monkeypatch):
     from runstate_project.celery import app
 
     original = app.conf.broker_url
+    # Celery reads CELERY_BROKER_URL from the environment ahead of its configuration.
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/0")
     app.conf.broker_url = "redis://127.0.0.1:1/0"
     try:
         response = anon.get("/v1/readyz")

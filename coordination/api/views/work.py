@@ -5,7 +5,7 @@ from rest_framework.response import Response
 
 from coordination import selectors
 from coordination.api import serializers as s
-from coordination.api.longpoll import db, long_poll, release_request_connection
+from coordination.api.longpoll import in_request, long_poll
 from coordination.api.presenters import present_claim, present_mailbox, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.services import tasks as task_services
@@ -91,8 +91,7 @@ class TaskResultView(AsyncApiView):
         """Answer once the task is terminal, or with its current state after ``timeoutMs`` (max 30 s)."""
         query = self.query(s.WaitQuery)
         visibility = self.visibility
-        task = await db(selectors.task_get, visibility, task_id)
-        await release_request_connection()
+        task = await in_request(selectors.task_get, visibility, task_id)
         task = await long_poll(
             lambda: selectors.task_get(visibility, task.id),
             done=lambda t: t.state in TASK_TERMINAL,
@@ -129,8 +128,7 @@ class ClaimCollectionView(AsyncApiView):
             mailbox = mailbox_get(project_id=project_id, name=name, mode=MailboxMode.WORK)
             return mailbox, selectors.run_get(visibility, data["runId"])
 
-        mailbox, run = await db(lookup)
-        await release_request_connection()
+        mailbox, run = await in_request(lookup)
 
         def claim():
             return task_services.task_claim(
