@@ -21,6 +21,7 @@ from django.db import connections
 logger = logging.getLogger(__name__)
 
 CHANNEL = "runstate"
+ANY_TOPIC = "*"  # woken by every event (event-log readers)
 SQLITE_POLL_S = 0.05
 
 
@@ -108,7 +109,8 @@ class NotificationHub:
 
     def _dispatch(self, payload: str) -> None:
         with self._lock:
-            waiters = {w for topic in payload.split() for w in self._by_topic.get(topic, ())}
+            topics = [*payload.split(), ANY_TOPIC]
+            waiters = {w for topic in topics for w in self._by_topic.get(topic, ())}
         for waiter in waiters:
             waiter.wake()
 

@@ -139,3 +139,15 @@ def test_a_rolled_back_event_wakes_nobody(project):
 
     assert asyncio.run(scenario()) is False
     assert Project.objects.filter(id=project.id).exists()
+
+
+def test_event_list_waits_for_the_next_event(api, setup):
+    project, _, run = setup
+    cursor = api.get("/v1/events").json()["nextCursor"]
+    creator = later(0.3, lambda: run_create(project_id=project.id, parent_id=run.id, name="late"))
+    response = api.get(f"/v1/events?after={cursor}&waitMs=20000&runId={run.id}")
+    creator.join()
+    assert response.status_code == 200
+    events = response.json()["events"]
+    assert [(e["type"], e["data"]["name"]) for e in events] == [("run.created", "late")]
+    assert response.json()["nextCursor"] == events[-1]["id"]

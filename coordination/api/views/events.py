@@ -5,12 +5,14 @@ from rest_framework.response import Response
 
 from coordination import selectors
 from coordination.api import serializers as s
+from coordination.api.longpoll import long_poll
 from coordination.api.presenters import present_event
-from coordination.api.views.base import ApiView, with_errors
+from coordination.api.views.base import AsyncApiView, with_errors
+from coordination.notify import ANY_TOPIC
 from coordination.states import Permission
 
 
-class EventListView(ApiView):
+class EventListView(AsyncApiView):
     """Page through events with a cursor that never skips one."""
 
     required_permissions = {"GET": Permission.COORDINATION_READ}
@@ -18,14 +20,24 @@ class EventListView(ApiView):
     @extend_schema(
         operation_id="events_list", parameters=[s.EventListQuery], responses=with_errors({200: s.EventPageOut})
     )
-    def get(self, request):
-        """Return events after ``after`` (oldest first), filtered by ``types`` and ``runId``."""
+    async def get(self, request):
+        """Return events after ``after`` (oldest first), filtered by ``types`` and ``runId``.
+
+        With ``waitMs`` (max 30 s) and nothing to return yet, wait for the next event.
+        """
         query = self.query(s.EventListQuery)
-        events, next_cursor = selectors.event_list(
-            self.visibility,
-            after=query.get("after"),
-            types=(query.get("types") or "").split(","),
-            run_id=query.get("runId"),
-            limit=query["limit"],
+        visibility = self.visibility
+
+        def read():
+            return selectors.event_list(
+                visibility,
+                after=query.get("after"),
+                types=(query.get("types") or "").split(","),
+                run_id=query.get("runId"),
+                limit=query["limit"],
+            )
+
+        events, next_cursor = await long_poll(
+            read, done=lambda page: bool(page[0]), topics=[ANY_TOPIC], timeout_ms=s.clamp_wait_ms(query["waitMs"])
         )
         return Response({"events": [present_event(e) for e in events], "nextCursor": next_cursor})
