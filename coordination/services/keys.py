@@ -1,6 +1,7 @@
 """Projects and API keys: create, authenticate, revoke."""
 
 import hashlib
+import re
 import hmac
 import secrets
 import uuid
@@ -15,6 +16,7 @@ from coordination.models import ApiKey, Project, Run
 from coordination.states import Permission
 
 KEY_PREFIX_LENGTH = 12
+PROJECT_NAME_PATTERN = re.compile(r"^[-a-zA-Z0-9_]{1,100}$")
 ALL_PERMISSIONS = tuple(str(p) for p in Permission)
 
 
@@ -33,7 +35,9 @@ class IssuedKey:
 
 @transaction.atomic
 def project_ensure(*, name: str) -> Project:
-    """Return the project called ``name``, creating it if needed."""
+    """Return the project called ``name`` (a slug), creating it if needed."""
+    if not PROJECT_NAME_PATTERN.match(name or ""):
+        raise exceptions.ValidationFailed("Invalid project name.", name="1-100 of a-z A-Z 0-9 _ -")
     project, _ = Project.objects.get_or_create(name=name)
     return project
 
