@@ -8,5 +8,6 @@ from .events import EventAdmin
 from .keys import ApiKeyAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
+from .work import MailboxAdmin, MessageAdmin, TaskAdmin
 
-__all__ = ["ApiKeyAdmin", "EventAdmin", "ProjectAdmin", "RunAdmin"]
+__all__ = ["ApiKeyAdmin", "EventAdmin", "MailboxAdmin", "MessageAdmin", "ProjectAdmin", "RunAdmin", "TaskAdmin"]
