@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from coordination import exceptions
-from coordination.models import Event, Run, Task
+from coordination.models import Event, Message, Run, Task, TaskGroup
 from coordination.services.locking import chain_refusal
 from coordination.states import Effective, InactiveReason
 
@@ -217,3 +217,37 @@ def task_get(visibility: Visibility, task_id: object) -> Task:
     if task is None or not visibility.sees_path(task.run_path):
         raise exceptions.NotFound("Task not found.", taskId=str(task_id))
     return task
+
+
+def message_get(visibility: Visibility, message_id: object) -> Message:
+    """Return a visible message, or raise ``NotFound``."""
+    message = (
+        Message.objects.select_related("mailbox")
+        .filter(project_id=visibility.project_id, id=parse_id(message_id, what="Message"))
+        .first()
+    )
+    if message is None or not visibility.sees_path(message.run_path):
+        raise exceptions.NotFound("Message not found.", messageId=str(message_id))
+    return message
+
+
+def group_get(visibility: Visibility, group_id: object) -> TaskGroup:
+    """Return a visible group, or raise ``NotFound``."""
+    group = (
+        TaskGroup.objects.select_related("mailbox", "scope")
+        .filter(project_id=visibility.project_id, id=parse_id(group_id, what="Group"))
+        .first()
+    )
+    if group is None or not visibility.sees_path(group.scope.path):
+        raise exceptions.NotFound("Group not found.", groupId=str(group_id))
+    return group
+
+
+def group_is_due(group: TaskGroup, now: datetime | None = None) -> bool:
+    """Tell whether an undecided group is past its deadline or its gate went inactive."""
+    if group.state == "FINALIZED":
+        return False
+    now = now or timezone.now()
+    if group.deadline is not None and group.deadline <= now:
+        return True
+    return runs_effective([group.scope], now)[group.scope_id].effective != Effective.ACTIVE

@@ -73,3 +73,33 @@ class MessageState(models.TextChoices):
 
 
 MESSAGE_TERMINAL = frozenset({MessageState.COMPLETED, MessageState.DEAD_LETTERED, MessageState.CANCELLED})
+
+
+class GroupState(models.TextChoices):
+    """A task group's lifecycle; written only by ``coordination.services.groups``."""
+
+    OPEN = "OPEN"  # accepts new members
+    SEALED = "SEALED"  # closed to new members, not yet decided
+    FINALIZED = "FINALIZED"  # decided once; its gate run is cancelled
+
+
+class GroupCondition(models.TextChoices):
+    """When a group succeeds."""
+
+    FIRST_ACCEPTED = "FIRST_ACCEPTED"
+    N_ACCEPTED = "N_ACCEPTED"
+    ALL_TERMINAL = "ALL_TERMINAL"
+
+
+class GroupOutcome(models.TextChoices):
+    """A finalized group's outcome."""
+
+    SUCCESS = "SUCCESS"
+    FAILURE = "FAILURE"
+
+
+class Verdict(models.TextChoices):
+    """A reviewer's judgement of a member."""
+
+    ACCEPTED = "ACCEPTED"
+    REJECTED = "REJECTED"

@@ -2,8 +2,9 @@
 
 from datetime import UTC, datetime
 
-from coordination.models import Event, Mailbox, Run, Task
+from coordination.models import Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup
 from coordination.selectors import EffectiveState, event_cursor
+from coordination.services.messages import Delivery
 from coordination.services.tasks import Claim
 from coordination.states import TaskState
 
@@ -70,7 +71,7 @@ def present_task(task: Task, mailbox_name: str | None = None) -> dict:
         "attempts": task.attempts,
         "maxAttempts": task.max_attempts,
         "priority": task.priority,
-        "groupId": None,
+        "groupId": str(task.group_id) if task.group_id else None,
         "createdAt": iso(task.created_at),
         "startedAt": iso(task.started_at),
         "finishedAt": iso(task.finished_at),
@@ -90,3 +91,71 @@ def present_claim(claim: Claim, mailbox_name: str | None = None) -> dict:
         "cancellationRequested": claim.task.state == TaskState.CANCELLATION_REQUESTED,
         "task": present_task(claim.task, mailbox_name),
     }
+
+
+def present_message(message: Message, mailbox_name: str | None = None) -> dict:
+    """Return the API shape of a message."""
+    return {
+        "id": str(message.id),
+        "mailbox": mailbox_name or message.mailbox.name,
+        "runId": str(message.run_id),
+        "key": message.key,
+        "body": message.body,
+        "state": message.state,
+        "attempts": message.attempts,
+        "createdAt": iso(message.created_at),
+        "visibleAt": iso(message.visible_at),
+        "finishedAt": iso(message.finished_at),
+        "deadLetterReason": message.dead_letter_reason,
+    }
+
+
+def present_delivery(delivery: Delivery) -> dict:
+    """Return the API shape of a delivery."""
+    return {
+        "deliveryId": delivery.delivery_id,
+        "messageId": str(delivery.message.id),
+        "body": delivery.message.body,
+        "attempt": delivery.attempt,
+        "visibleUntil": iso(delivery.visible_until),
+    }
+
+
+def present_group(group: TaskGroup) -> dict:
+    """Return the API shape of a group, with every member (one query for them)."""
+    members = [
+        {
+            "taskId": str(task_id),
+            "key": key,
+            "state": state,
+            "verdict": verdict,
+            "late": late,
+            "verdictAt": iso(verdict_at),
+        }
+        for task_id, key, state, verdict, late, verdict_at in GroupMember.objects.filter(group=group)
+        .order_by("id")
+        .values_list("task_id", "task__key", "task__state", "verdict", "late", "verdict_at")
+    ]
+    return {
+        "id": str(group.id),
+        "name": group.name,
+        "scopeId": str(group.scope_id),
+        "parentScopeId": str(group.parent_scope_id) if group.parent_scope_id else None,
+        "mailbox": group.mailbox.name,
+        "condition": group.condition,
+        "threshold": group.threshold,
+        "expectedMembers": group.expected_members,
+        "deadline": iso(group.deadline),
+        "state": group.state,
+        "outcome": group.outcome,
+        "outcomeReason": group.outcome_reason,
+        "createdAt": iso(group.created_at),
+        "closedAt": iso(group.closed_at),
+        "finalizedAt": iso(group.finalized_at),
+        "members": members,
+    }
+
+
+def present_decision(group: TaskGroup) -> dict:
+    """Return ``{state, outcome, outcomeReason}`` of a group."""
+    return {"state": group.state, "outcome": group.outcome, "outcomeReason": group.outcome_reason}

@@ -3,7 +3,18 @@
 from django.conf import settings
 from rest_framework import serializers
 
-from coordination.states import Effective, InactiveReason, MailboxMode, RunState, TaskState
+from coordination.states import (
+    Effective,
+    GroupCondition,
+    GroupOutcome,
+    GroupState,
+    InactiveReason,
+    MailboxMode,
+    MessageState,
+    RunState,
+    TaskState,
+    Verdict,
+)
 
 MAX_NAME_LENGTH = 200
 MAX_REASON_LENGTH = 1000
@@ -256,3 +267,156 @@ class FailIn(StrictSerializer):
     error = serializers.JSONField(required=False, allow_null=True, default=None)
     retry = serializers.BooleanField(required=False, default=False)
     retryDelayMs = serializers.IntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
+
+
+# Messages --------------------------------------------------------------------------------
+
+
+class MessageSendIn(StrictSerializer):
+    """Body of ``POST /v1/mailboxes/{name}/messages``."""
+
+    runId = serializers.CharField(max_length=100)
+    body = serializers.JSONField()
+    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+
+
+class MessageOut(serializers.Serializer):
+    """A queue message."""
+
+    id = serializers.CharField()
+    mailbox = serializers.CharField()
+    runId = serializers.CharField()
+    key = serializers.CharField(allow_null=True)
+    body = serializers.JSONField()
+    state = serializers.ChoiceField(choices=MessageState.choices)
+    attempts = serializers.IntegerField(help_text="How many times the message was received.")
+    createdAt = serializers.DateTimeField()
+    visibleAt = serializers.DateTimeField(help_text="When it can be received (again).")
+    finishedAt = serializers.DateTimeField(allow_null=True)
+    deadLetterReason = serializers.CharField(allow_null=True)
+
+
+class ReceiveIn(StrictSerializer):
+    """Body of ``POST /v1/mailboxes/{name}/deliveries``."""
+
+    runId = serializers.CharField(max_length=100)
+    max = serializers.IntegerField(required=False, min_value=1, max_value=100, default=1)
+    visibilityMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+    waitMs = serializers.IntegerField(required=False, min_value=0, default=0)
+
+
+class DeliveryOut(serializers.Serializer):
+    """A message handed out under a visibility lease; ``deliveryId`` fences every later operation."""
+
+    deliveryId = serializers.CharField()
+    messageId = serializers.CharField()
+    body = serializers.JSONField()
+    attempt = serializers.IntegerField()
+    visibleUntil = serializers.DateTimeField()
+
+
+class DeliveriesOut(serializers.Serializer):
+    """Deliveries handed out by one receive (possibly none)."""
+
+    deliveries = DeliveryOut(many=True)
+
+
+class DeliveryCompleteIn(StrictSerializer):
+    """Body of ``POST /v1/deliveries/{id}/complete`` (no fields)."""
+
+
+class DeliveryRetryIn(StrictSerializer):
+    """Body of ``POST /v1/deliveries/{id}/retry``."""
+
+    delayMs = serializers.IntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
+
+
+class DeliveryRejectIn(StrictSerializer):
+    """Body of ``POST /v1/deliveries/{id}/reject``."""
+
+    reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
+
+
+# Groups ----------------------------------------------------------------------------------
+
+
+class GroupCreateIn(StrictSerializer):
+    """Body of ``POST /v1/groups``."""
+
+    mailbox = serializers.CharField(max_length=100)
+    condition = serializers.ChoiceField(choices=GroupCondition.choices)
+    threshold = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=100)
+    expectedMembers = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=100)
+    deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    parentScopeId = serializers.CharField(required=False, allow_null=True, max_length=100)
+    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
+
+
+class GroupMemberOut(serializers.Serializer):
+    """A member as the group shows it."""
+
+    taskId = serializers.CharField()
+    key = serializers.CharField(allow_null=True)
+    state = serializers.ChoiceField(choices=TaskState.choices)
+    verdict = serializers.ChoiceField(choices=Verdict.choices, allow_null=True)
+    late = serializers.BooleanField()
+    verdictAt = serializers.DateTimeField(allow_null=True)
+
+
+class GroupOut(serializers.Serializer):
+    """A group with every member."""
+
+    id = serializers.CharField()
+    name = serializers.CharField()
+    scopeId = serializers.CharField(help_text="The gate run: workers attach to it to receive the members.")
+    parentScopeId = serializers.CharField(allow_null=True)
+    mailbox = serializers.CharField()
+    condition = serializers.ChoiceField(choices=GroupCondition.choices)
+    threshold = serializers.IntegerField(allow_null=True)
+    expectedMembers = serializers.IntegerField(allow_null=True)
+    deadline = serializers.DateTimeField(allow_null=True)
+    state = serializers.ChoiceField(choices=GroupState.choices)
+    outcome = serializers.ChoiceField(choices=GroupOutcome.choices, allow_null=True)
+    outcomeReason = serializers.CharField(allow_null=True)
+    createdAt = serializers.DateTimeField()
+    closedAt = serializers.DateTimeField(allow_null=True)
+    finalizedAt = serializers.DateTimeField(allow_null=True)
+    members = GroupMemberOut(many=True)
+
+
+class GroupMemberSubmitIn(StrictSerializer):
+    """Body of ``POST /v1/groups/{id}/members``."""
+
+    input = serializers.JSONField(required=False, default=dict)
+    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+
+
+class GroupJoinIn(StrictSerializer):
+    """Body of ``POST /v1/groups/{id}/join``."""
+
+    taskId = serializers.CharField(max_length=100)
+
+
+class MemberTaskOut(TaskOut):
+    """A member's task and the group's state after the submit or join."""
+
+    groupState = serializers.ChoiceField(choices=GroupState.choices)
+
+
+class GroupDecisionOut(serializers.Serializer):
+    """The answer of close and seal."""
+
+    state = serializers.ChoiceField(choices=GroupState.choices)
+    outcome = serializers.ChoiceField(choices=GroupOutcome.choices, allow_null=True)
+    outcomeReason = serializers.CharField(allow_null=True)
+
+
+class VerdictOut(serializers.Serializer):
+    """The answer of accept and reject."""
+
+    taskId = serializers.CharField()
+    verdict = serializers.ChoiceField(choices=Verdict.choices)
+    late = serializers.BooleanField()
+    groupState = serializers.ChoiceField(choices=GroupState.choices)
+    outcome = serializers.ChoiceField(choices=GroupOutcome.choices, allow_null=True)
+    outcomeReason = serializers.CharField(allow_null=True)

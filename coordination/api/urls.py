@@ -3,7 +3,7 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from coordination.api.views import events, health, runs, work
+from coordination.api.views import events, groups, health, messages, runs, work
 
 urlpatterns = [
     path("healthz", health.HealthView.as_view(), name="healthz"),
@@ -26,4 +26,19 @@ urlpatterns = [
     path("claims/<str:claim_id>/complete", work.ClaimCompleteView.as_view(), name="claim-complete"),
     path("claims/<str:claim_id>/fail", work.ClaimFailView.as_view(), name="claim-fail"),
     path("claims/<str:claim_id>/release", work.ClaimReleaseView.as_view(), name="claim-release"),
+    path("mailboxes/<str:name>/messages", messages.MessageSendView.as_view(), name="mailbox-messages"),
+    path("mailboxes/<str:name>/deliveries", messages.DeliveryCollectionView.as_view(), name="mailbox-deliveries"),
+    path("messages/<str:message_id>", messages.MessageDetailView.as_view(), name="message-detail"),
+    path("deliveries/<str:delivery_id>/complete", messages.DeliveryCompleteView.as_view(), name="delivery-complete"),
+    path("deliveries/<str:delivery_id>/retry", messages.DeliveryRetryView.as_view(), name="delivery-retry"),
+    path("deliveries/<str:delivery_id>/reject", messages.DeliveryRejectView.as_view(), name="delivery-reject"),
+    path("groups", groups.GroupCollectionView.as_view(), name="groups"),
+    path("groups/<str:group_id>", groups.GroupDetailView.as_view(), name="group-detail"),
+    path("groups/<str:group_id>/wait", groups.GroupWaitView.as_view(), name="group-wait"),
+    path("groups/<str:group_id>/members", groups.GroupMemberSubmitView.as_view(), name="group-members"),
+    path("groups/<str:group_id>/join", groups.GroupJoinView.as_view(), name="group-join"),
+    path("groups/<str:group_id>/close", groups.GroupCloseView.as_view(), name="group-close"),
+    path("groups/<str:group_id>/seal", groups.GroupSealView.as_view(), name="group-seal"),
+    path("groups/<str:group_id>/members/<str:task_id>/accept", groups.MemberAcceptView.as_view(), name="member-accept"),
+    path("groups/<str:group_id>/members/<str:task_id>/reject", groups.MemberRejectView.as_view(), name="member-reject"),
 ]

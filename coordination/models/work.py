@@ -54,6 +54,10 @@ class Task(models.Model):
     attempts = models.PositiveIntegerField(default=0)
     max_attempts = models.PositiveIntegerField(default=DEFAULT_MAX_ATTEMPTS)
     priority = models.IntegerField(default=0)
+    # Set once, when the task joins a group (group services lock the group before the task).
+    group = models.ForeignKey(
+        "coordination.TaskGroup", null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks"
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     available_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField(null=True, blank=True)

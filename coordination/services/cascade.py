@@ -7,7 +7,7 @@ transaction as features arrive.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from coordination.models import Run
@@ -22,6 +22,8 @@ class SubtreeEnd:
     state: RunState  # CANCELLED or COMPLETED
     reason: str | None
     now: datetime
+    # Scratch space for steps that work in two halves around another step (groups).
+    memo: dict = field(default_factory=dict)
 
     @property
     def path_prefix(self) -> str:
@@ -38,10 +40,16 @@ def cascade_steps() -> tuple[CascadeStep, ...]:
     Each step lives with its aggregate; importing here, not at module level, keeps the
     aggregates free to import this module.
     """
+    from coordination.services.groups import groups_end_subtree, groups_reevaluate_after_subtree_end
     from coordination.services.messages import messages_cancel_subtree
     from coordination.services.tasks import tasks_cancel_subtree
 
-    return (tasks_cancel_subtree, messages_cancel_subtree)
+    return (
+        groups_end_subtree,  # finalize groups gated in the subtree; lock groups of members in it
+        tasks_cancel_subtree,
+        groups_reevaluate_after_subtree_end,  # members elsewhere' groups may now be decided
+        messages_cancel_subtree,
+    )
 
 
 def subtree_end(end: SubtreeEnd) -> None:

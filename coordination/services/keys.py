@@ -1,8 +1,8 @@
 """Projects and API keys: create, authenticate, revoke."""
 
 import hashlib
-import re
 import hmac
+import re
 import secrets
 import uuid
 from dataclasses import dataclass

@@ -76,7 +76,12 @@ def run_create(
     return run
 
 
-def _run_end(*, run_id: uuid.UUID, project_id: uuid.UUID, state: RunState, reason: str | None) -> Run:
+def run_end(*, run_id: uuid.UUID, project_id: uuid.UUID, state: RunState, reason: str | None) -> Run:
+    """End a run (cancel or complete) and its subtree inside the caller's transaction.
+
+    Takes the run chain's locks itself (already held locks are simply kept), so a group
+    finalizing its gate may call it with the gate chain already locked.
+    """
     # FOR UPDATE on the run conflicts with the FOR KEY SHARE that every creator of new
     # work under it holds: we wait for them to commit, and our cascade below sees their rows.
     chain = run_chain_lock(run_id, project_id=project_id, target_mode=LockMode.UPDATE)
@@ -106,7 +111,7 @@ def run_cancel(*, run_id: uuid.UUID, project_id: uuid.UUID, reason: str | None =
 
     Idempotent on a cancelled run; ``SCOPE_COMPLETED`` on a completed one.
     """
-    return _run_end(run_id=run_id, project_id=project_id, state=RunState.CANCELLED, reason=reason)
+    return run_end(run_id=run_id, project_id=project_id, state=RunState.CANCELLED, reason=reason)
 
 
 @transaction.atomic
@@ -115,4 +120,4 @@ def run_complete(*, run_id: uuid.UUID, project_id: uuid.UUID) -> Run:
 
     Idempotent on a completed run; ``SCOPE_CANCELLED`` on a cancelled one.
     """
-    return _run_end(run_id=run_id, project_id=project_id, state=RunState.COMPLETED, reason=None)
+    return run_end(run_id=run_id, project_id=project_id, state=RunState.COMPLETED, reason=None)

@@ -16,9 +16,17 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from coordination import exceptions
-from coordination.models import Event, Mailbox, Run, Task
+from coordination.models import Event, Mailbox, Run, Task, TaskGroup
 from coordination.services.cascade import SubtreeEnd
 from coordination.services.events import events_record_many
+from coordination.services.groups import (
+    GroupMembershipChanged,
+    LockedGroup,
+    group_evaluate,
+    group_lock,
+    group_submit,
+    retrying,
+)
 from coordination.services.locking import chain_refusal, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_attempts
 from coordination.states import TASK_HELD, TASK_TERMINAL, TASK_UNFINISHED, MailboxMode, RunState, TaskState
@@ -81,7 +89,6 @@ def _run_refusal(task: Task, now: datetime) -> exceptions.Conflict | None:
 # Submit ----------------------------------------------------------------------------------
 
 
-@transaction.atomic
 def task_submit(
     *,
     project_id: uuid.UUID,
@@ -96,7 +103,8 @@ def task_submit(
     """Submit a task; return it and whether it was created.
 
     The same ``key`` with the same input returns the existing task; with another input it
-    is ``KEY_CONFLICT``.
+    is ``KEY_CONFLICT``. A task submitted to a group's gate in the group's mailbox is a
+    member of that group, so it is submitted through the group.
     """
     if mailbox.mode != MailboxMode.WORK:
         raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds messages, not tasks.")
@@ -104,11 +112,73 @@ def task_submit(
     now = timezone.now()
     if expires_at is not None and expires_at <= now:
         raise exceptions.ValidationFailed("Invalid task.", expiresAt="must be in the future")
+    gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).values_list("id", flat=True).first()
+    if gated is not None:
+        task, created, _ = group_submit(
+            project_id=project_id,
+            group_id=gated,
+            input=input,
+            key=key,
+            priority=priority,
+            max_attempts=max_attempts,
+            expires_at=expires_at,
+        )
+        return task, created
+    return _task_submit(
+        project_id=project_id,
+        mailbox=mailbox,
+        run_id=run_id,
+        input=input,
+        key=key,
+        priority=priority,
+        max_attempts=max_attempts,
+        expires_at=expires_at,
+    )
+
+
+@transaction.atomic
+def _task_submit(*, project_id, mailbox, run_id, input, key, priority, max_attempts, expires_at) -> tuple[Task, bool]:
     if key is not None:
         existing = _task_with_key(mailbox, run_id, key, input)
         if existing is not None:
             return existing, False
     chain = run_chain_lock_active(run_id, project_id=project_id)
+    try:
+        with transaction.atomic():
+            task = task_insert(
+                project_id=project_id,
+                mailbox=mailbox,
+                chain=chain,
+                input=input,
+                key=key,
+                priority=priority,
+                max_attempts=max_attempts,
+                expires_at=expires_at,
+            )
+    except IntegrityError:
+        # A concurrent submit with the same key won; answer as an idempotent resubmit.
+        existing = _task_with_key(mailbox, run_id, key, input) if key is not None else None
+        if existing is None:
+            raise
+        return existing, False
+    return task, True
+
+
+def task_insert(
+    *,
+    project_id: uuid.UUID,
+    mailbox: Mailbox,
+    chain: list[Run],
+    input: object,
+    key: str | None = None,
+    priority: int = 0,
+    max_attempts: int | None = None,
+    expires_at: datetime | None = None,
+    group: TaskGroup | None = None,
+    now: datetime | None = None,
+) -> Task:
+    """Insert a task on the last run of ``chain``, whose locks the caller holds, and its event."""
+    now = now or timezone.now()
     run = chain[-1]
     task = Task(
         project_id=project_id,
@@ -121,20 +191,13 @@ def task_submit(
         priority=priority,
         max_attempts=max_attempts or mailbox.max_attempts,
         expires_at=expires_at,
+        group=group,
         created_at=now,
         available_at=now,
     )
-    try:
-        with transaction.atomic():
-            task.save(force_insert=True)
-    except IntegrityError:
-        # A concurrent submit with the same key won; answer as an idempotent resubmit.
-        existing = _task_with_key(mailbox, run_id, key, input) if key is not None else None
-        if existing is None:
-            raise
-        return existing, False
-    _record(task, "task.submitted", mailbox=mailbox.name, key=key)
-    return task, True
+    task.save(force_insert=True)
+    _record(task, "task.submitted", mailbox=mailbox.name, key=key, groupId=str(group.id) if group else None)
+    return task
 
 
 def _task_with_key(mailbox: Mailbox, run_id: uuid.UUID, key: str, input: object) -> Task | None:
@@ -160,7 +223,8 @@ def task_claim(
     """Claim up to ``max_claims`` tasks of exactly ``run_id``, highest priority then oldest.
 
     Expired leases of the run are taken over first (their tasks go back to the queue, or
-    fail when their attempts are spent), so crash takeover never waits for a sweep.
+    fail when their attempts are spent), so crash takeover never waits for a sweep. A group
+    member whose takeover would end it is left to the sweep, which locks its group first.
     """
     if mailbox.mode != MailboxMode.WORK:
         raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds messages, not tasks.")
@@ -173,7 +237,9 @@ def task_claim(
     in_run = Task.objects.filter(mailbox=mailbox, run_id=run_id)
     # SKIP LOCKED: a row another claimer holds is theirs; we never wait for it.
     expired = list(
-        in_run.filter(state__in=TASK_HELD, lease_expires_at__lte=now)
+        in_run.filter(state=TaskState.RUNNING, lease_expires_at__lte=now)
+        .filter(Q(group__isnull=True) | Q(attempts__lt=F("max_attempts")))
+        .filter(Q(cancel_grace_until__isnull=True))
         .order_by("lease_expires_at")
         .select_for_update(skip_locked=True)[:max_claims]
     )
@@ -227,21 +293,51 @@ def _lease_expired(task: Task, now: datetime) -> list[Event]:
     return [_event(task, "task.failed", error=task.error)]
 
 
+# Locking one task, its group first -------------------------------------------------------
+
+
+def _lock_task(project_id: uuid.UUID | None, task_id: uuid.UUID) -> tuple[Task, LockedGroup | None]:
+    """Lock a task row, and first its group (gate chain, group) when it is a member.
+
+    The task's group is read before any lock (house order: group before task); if it
+    changed by the time the task is locked, the transaction starts over.
+    """
+    rows = Task.objects.filter(id=task_id)
+    if project_id is not None:
+        rows = rows.filter(project_id=project_id)
+    found = rows.values_list("group_id", flat=True)[:1]
+    if not found:
+        raise exceptions.NotFound("Task not found.", taskId=str(task_id))
+    group_id = found[0]
+    locked_group = group_lock(group_id=group_id) if group_id is not None else None
+    task = Task.objects.select_for_update().select_related("mailbox").get(id=task_id)
+    if task.group_id != group_id:
+        raise GroupMembershipChanged(str(task_id))
+    return task, locked_group
+
+
+def _after_change(task: Task, locked_group: LockedGroup | None, now: datetime) -> None:
+    """Re-evaluate the task's group when the change may have decided it."""
+    if locked_group is not None and task.state in TASK_TERMINAL:
+        group_evaluate(locked_group, now)
+
+
 # Operations on a claim -------------------------------------------------------------------
 
 
-def _locked_claim(project_id: uuid.UUID, claim_id: str, *, now: datetime) -> Task:
-    """Lock the claim's task and return it if the claim still holds it; else raise.
+def _locked_claim(project_id: uuid.UUID, claim_id: str, *, now: datetime) -> tuple[Task, LockedGroup | None]:
+    """Lock the claim's task (group first) and return it if the claim still holds it; else raise.
 
     A claim is lost when another attempt took the task over, the task left its held
     states, the lease expired, or a cooperative cancel's grace elapsed. When the run is
     inactive, its refusal code wins over ``LEASE_LOST`` (DESIGN.md "Precise points").
     """
     task_id, attempt = parse_claim_id(claim_id)
-    # The row lock serializes us with claimers, sweeps and cascades touching this task.
-    task = Task.objects.select_for_update().select_related("mailbox").filter(id=task_id, project_id=project_id).first()
-    if task is None:
-        raise exceptions.NotFound("Claim not found.", claimId=str(claim_id))
+    try:
+        # The row lock serializes us with claimers, sweeps, cascades and group decisions.
+        task, locked_group = _lock_task(project_id, task_id)
+    except exceptions.NotFound:
+        raise exceptions.NotFound("Claim not found.", claimId=str(claim_id)) from None
     held = (
         task.attempts == attempt
         and task.state in TASK_HELD
@@ -252,31 +348,33 @@ def _locked_claim(project_id: uuid.UUID, claim_id: str, *, now: datetime) -> Tas
     # A cancel or complete of the run ends its held tasks in the same transaction, so a
     # held task's run can only be inactive through a deadline: skip the chain read then.
     if held and (task.run_deadline is None or task.run_deadline > now):
-        return task
+        return task, locked_group
     refusal = _run_refusal(task, now)
     if refusal is not None:
         raise refusal
     if not held:
         raise exceptions.LeaseLost(claimId=str(claim_id), taskId=str(task.id), state=task.state)
-    return task
+    return task, locked_group
 
 
+@retrying
 @transaction.atomic
 def claim_renew(*, project_id: uuid.UUID, claim_id: str, lease_ttl_ms: int | None = None) -> Claim:
     """Extend the claim's lease; the answer tells whether cancellation was requested."""
     validate_lease_ttl_ms(lease_ttl_ms)
     now = timezone.now()
-    task = _locked_claim(project_id, claim_id, now=now)
+    task, _ = _locked_claim(project_id, claim_id, now=now)
     task.lease_expires_at = now + timedelta(milliseconds=lease_ttl_ms or task.mailbox.lease_ttl_ms)
     task.save(update_fields=["lease_expires_at"])
     return Claim(task, task.attempts, task.lease_expires_at)
 
 
+@retrying
 @transaction.atomic
 def claim_complete(*, project_id: uuid.UUID, claim_id: str, outcome: object) -> Task:
     """Record the handler's result: ``SUCCEEDED``, or ``CANCELLED`` if cancellation was requested."""
     now = timezone.now()
-    task = _locked_claim(project_id, claim_id, now=now)
+    task, locked_group = _locked_claim(project_id, claim_id, now=now)
     task.outcome = outcome
     task.finished_at = now
     task.lease_expires_at = None
@@ -288,9 +386,11 @@ def claim_complete(*, project_id: uuid.UUID, claim_id: str, outcome: object) -> 
         event = _event(task, "task.succeeded", attempt=task.attempts)
     task.save(update_fields=["state", "outcome", "finished_at", "lease_expires_at"])
     events_record_many([event])
+    _after_change(task, locked_group, now)
     return task
 
 
+@retrying
 @transaction.atomic
 def claim_fail(
     *, project_id: uuid.UUID, claim_id: str, error: object, retry: bool = False, retry_delay_ms: int = 0
@@ -302,7 +402,7 @@ def claim_fail(
     if retry_delay_ms < 0:
         raise exceptions.ValidationFailed("Invalid retry delay.", retryDelayMs="must be >= 0")
     now = timezone.now()
-    task = _locked_claim(project_id, claim_id, now=now)
+    task, locked_group = _locked_claim(project_id, claim_id, now=now)
     task.error = error
     task.lease_expires_at = None
     task.worker_id = ""
@@ -316,9 +416,11 @@ def claim_fail(
     task.finished_at = now
     task.save(update_fields=["state", "error", "finished_at", "lease_expires_at", "worker_id"])
     _record(task, "task.failed", error=error, attempt=task.attempts)
+    _after_change(task, locked_group, now)
     return task
 
 
+@retrying
 @transaction.atomic
 def claim_release(*, project_id: uuid.UUID, claim_id: str) -> Task:
     """Hand the task back: to the queue, or ``CANCELLED`` if cancellation was requested.
@@ -327,9 +429,10 @@ def claim_release(*, project_id: uuid.UUID, claim_id: str) -> Task:
     ``CANCELLED`` and the release answers it unchanged.
     """
     task_id, attempt = parse_claim_id(claim_id)
-    task = Task.objects.select_for_update().filter(id=task_id, project_id=project_id).first()
-    if task is None:
-        raise exceptions.NotFound("Claim not found.", claimId=str(claim_id))
+    try:
+        task, locked_group = _lock_task(project_id, task_id)
+    except exceptions.NotFound:
+        raise exceptions.NotFound("Claim not found.", claimId=str(claim_id)) from None
     if task.attempts != attempt or task.state == TaskState.QUEUED:
         raise exceptions.LeaseLost(claimId=str(claim_id), taskId=str(task.id), state=task.state)
     if task.state in TASK_TERMINAL:
@@ -347,12 +450,14 @@ def claim_release(*, project_id: uuid.UUID, claim_id: str) -> Task:
         task.available_at = now
         task.save(update_fields=["state", "available_at", "lease_expires_at", "worker_id"])
         _record(task, "task.requeued", cause="released", attempt=task.attempts)
+    _after_change(task, locked_group, now)
     return task
 
 
 # Cooperative cancellation ----------------------------------------------------------------
 
 
+@retrying
 @transaction.atomic
 def task_cancel(
     *, project_id: uuid.UUID, task_id: uuid.UUID, reason: str | None = None, grace_ms: int | None = None
@@ -366,9 +471,7 @@ def task_cancel(
     """
     if grace_ms is not None and grace_ms < 0:
         raise exceptions.ValidationFailed("Invalid grace.", graceMs="must be >= 0")
-    task = Task.objects.select_for_update().filter(id=task_id, project_id=project_id).first()
-    if task is None:
-        raise exceptions.NotFound("Task not found.", taskId=str(task_id))
+    task, locked_group = _lock_task(project_id, task_id)
     now = timezone.now()
     if task.state == TaskState.QUEUED:
         task.state = TaskState.CANCELLED
@@ -383,33 +486,86 @@ def task_cancel(
         task.cancel_grace_until = now + timedelta(milliseconds=grace_ms) if grace_ms is not None else None
         task.save(update_fields=["state", "cancel_reason", "cancel_requested_at", "cancel_grace_until"])
         _record(task, "task.cancellation_requested", reason=reason, graceMs=grace_ms)
+    _after_change(task, locked_group, now)
     return task
+
+
+def tasks_cancel_group_members(*, group_id: uuid.UUID, reason: str, now: datetime) -> None:
+    """Cancel a finalizing group's unfinished members wherever they live (group already locked)."""
+    members = list(Task.objects.filter(group_id=group_id, state__in=TASK_UNFINISHED).order_by("id").select_for_update())
+    if not members:
+        return
+    Task.objects.filter(id__in=[t.id for t in members]).update(
+        state=TaskState.CANCELLED, finished_at=now, cancel_reason=reason, lease_expires_at=None, worker_id=""
+    )
+    events_record_many([_event(task, "task.cancelled", reason=reason, cause="group_finalized") for task in members])
 
 
 # Sweeps: one small batch per transaction, skipping rows another sweeper holds --------------
 
 
-@transaction.atomic
 def tasks_settle_expired_leases(*, now: datetime | None = None, batch_size: int = 500) -> int:
-    """Settle held tasks whose lease expired or whose cancel grace passed; return how many."""
+    """Settle held tasks whose lease expired or whose cancel grace passed; return how many.
+
+    Plain tasks go in one batch transaction; group members one at a time, each locking its
+    group first.
+    """
     now = now or timezone.now()
-    due = list(
-        Task.objects.filter(state__in=TASK_HELD)
-        .filter(Q(lease_expires_at__lte=now) | Q(cancel_grace_until__lte=now))
+    due = Q(lease_expires_at__lte=now) | Q(cancel_grace_until__lte=now)
+    settled = _settle_plain_batch(due, now, batch_size)
+    member_ids = list(
+        Task.objects.filter(state__in=TASK_HELD, group__isnull=False)
+        .filter(due)
+        .values_list("id", flat=True)[:batch_size]
+    )
+    for task_id in member_ids:
+        settled += _settle_member(task_id, now)
+    return settled
+
+
+@transaction.atomic
+def _settle_plain_batch(due: Q, now: datetime, batch_size: int) -> int:
+    tasks = list(
+        Task.objects.filter(state__in=TASK_HELD, group__isnull=True)
+        .filter(due)
         .order_by("id")
         .select_for_update(skip_locked=True)[:batch_size]
     )
-    events = [event for task in due for event in _lease_expired(task, now)]
-    events_record_many(events)
-    return len(due)
+    events_record_many([event for task in tasks for event in _lease_expired(task, now)])
+    return len(tasks)
 
 
+@retrying
 @transaction.atomic
+def _settle_member(task_id: uuid.UUID, now: datetime) -> int:
+    task, locked_group = _lock_task(None, task_id)
+    lease_due = task.lease_expires_at is not None and task.lease_expires_at <= now
+    grace_due = task.cancel_grace_until is not None and task.cancel_grace_until <= now
+    if task.state not in TASK_HELD or not (lease_due or grace_due):
+        return 0  # another sweeper or the worker got there first
+    events_record_many(_lease_expired(task, now))
+    _after_change(task, locked_group, now)
+    return 1
+
+
 def tasks_expire_queued(*, now: datetime | None = None, batch_size: int = 500) -> int:
     """Expire queued tasks past their ``expiresAt``; return how many."""
     now = now or timezone.now()
+    expired = _expire_plain_batch(now, batch_size)
+    member_ids = list(
+        Task.objects.filter(state=TaskState.QUEUED, expires_at__lte=now, group__isnull=False).values_list(
+            "id", flat=True
+        )[:batch_size]
+    )
+    for task_id in member_ids:
+        expired += _expire_member(task_id, now)
+    return expired
+
+
+@transaction.atomic
+def _expire_plain_batch(now: datetime, batch_size: int) -> int:
     due = list(
-        Task.objects.filter(state=TaskState.QUEUED, expires_at__lte=now)
+        Task.objects.filter(state=TaskState.QUEUED, expires_at__lte=now, group__isnull=True)
         .order_by("id")
         .select_for_update(skip_locked=True)[:batch_size]
     )
@@ -417,6 +573,20 @@ def tasks_expire_queued(*, now: datetime | None = None, batch_size: int = 500) -
         Task.objects.filter(id__in=[t.id for t in due]).update(state=TaskState.EXPIRED, finished_at=now)
     events_record_many([_event(task, "task.expired", cause="expires_at") for task in due])
     return len(due)
+
+
+@retrying
+@transaction.atomic
+def _expire_member(task_id: uuid.UUID, now: datetime) -> int:
+    task, locked_group = _lock_task(None, task_id)
+    if task.state != TaskState.QUEUED or task.expires_at is None or task.expires_at > now:
+        return 0
+    task.state = TaskState.EXPIRED
+    task.finished_at = now
+    task.save(update_fields=["state", "finished_at"])
+    _record(task, "task.expired", cause="expires_at")
+    _after_change(task, locked_group, now)
+    return 1
 
 
 # Run cascade -----------------------------------------------------------------------------
@@ -438,6 +608,7 @@ def tasks_cancel_subtree(end: SubtreeEnd) -> None:
             finished_at=end.now,
             cancel_reason=end.reason,
             lease_expires_at=None,
+            worker_id="",
         )
         events_record_many(
             [

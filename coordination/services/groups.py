@@ -1,0 +1,475 @@
+"""Task groups, decided exactly once. The only writer of ``TaskGroup.state``.
+
+Every operation that can decide a group takes the locks in the house order: the gate's run
+chain (ancestors ``FOR KEY SHARE``, the gate ``FOR UPDATE``, since finalizing cancels it),
+then the group row, then task rows. ``group_evaluate`` is the one place where the condition
+table is applied; it runs inside every transaction that can change its inputs.
+"""
+
+import functools
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import transaction
+from django.utils import timezone
+
+from coordination import exceptions
+from coordination.group_rules import MemberFacts, decide
+from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
+from coordination.models.groups import MAX_MEMBERS
+from coordination.services.cascade import SubtreeEnd
+from coordination.services.events import events_record_many
+from coordination.services.locking import LockMode, chain_refusal, run_chain_lock
+from coordination.services.runs import run_create, run_end
+from coordination.states import (
+    TASK_TERMINAL,
+    TASK_UNFINISHED,
+    GroupCondition,
+    GroupOutcome,
+    GroupState,
+    MailboxMode,
+    RunState,
+    TaskState,
+    Verdict,
+)
+
+
+class GroupMembershipChanged(Exception):  # noqa: N818 - internal retry signal, not an error
+    """A task joined a group between our unlocked read and our lock: start the transaction over."""
+
+
+class GroupDue(Exception):  # noqa: N818 - internal retry signal, not an error
+    """The group is past its deadline (or its gate is inactive): finalize it first, in its own commit."""
+
+    def __init__(self, group_id: uuid.UUID) -> None:
+        super().__init__(str(group_id))
+        self.group_id = group_id
+
+
+def retrying(fn):
+    """Run a transactional service again after a retry signal (a few times at most).
+
+    ``GroupDue`` first commits the group's finalization, so the retried operation sees the
+    decided group (and refuses or records late, as the rules say) while the decision stays.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for attempt in range(5):
+            try:
+                return fn(*args, **kwargs)
+            except GroupMembershipChanged:
+                if attempt == 4:
+                    raise
+            except GroupDue as due:
+                if attempt == 4:
+                    raise
+                group_finalize_if_due(group_id=due.group_id)
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+@dataclass
+class LockedGroup:
+    """A group row locked ``FOR UPDATE`` together with its gate chain (root first)."""
+
+    group: TaskGroup
+    chain: list[Run]
+
+    @property
+    def gate(self) -> Run:
+        """Return the gate run."""
+        return self.chain[-1]
+
+
+def group_lock(*, group_id: uuid.UUID, project_id: uuid.UUID | None = None) -> LockedGroup:
+    """Lock the gate chain, then the group; raise ``NotFound`` if there is no such group."""
+    rows = TaskGroup.objects.filter(id=group_id)
+    if project_id is not None:
+        rows = rows.filter(project_id=project_id)
+    row = rows.values_list("scope_id", "project_id").first()
+    if row is None:
+        raise exceptions.NotFound("Group not found.", groupId=str(group_id))
+    gate_id, group_project_id = row
+    chain = run_chain_lock(gate_id, project_id=group_project_id, target_mode=LockMode.UPDATE)
+    # The gate chain is ours: no other decider of this group can be between its reads and ours.
+    group = TaskGroup.objects.select_for_update().select_related("mailbox").get(id=group_id)
+    return LockedGroup(group, chain)
+
+
+def _gate_problem(locked: LockedGroup, now: datetime) -> str | None:
+    """Return why the group must fail regardless of its members: "cancelled", "deadline" or None."""
+    refusal = chain_refusal(locked.chain, now)
+    if isinstance(refusal, exceptions.ScopeCancelled | exceptions.ScopeCompleted):
+        return "cancelled"
+    if isinstance(refusal, exceptions.DeadlineExceeded):
+        return "deadline"
+    group = locked.group
+    if group.deadline is not None and group.deadline <= now:
+        return "deadline"
+    return None
+
+
+def _is_due(locked: LockedGroup, now: datetime) -> bool:
+    return locked.group.state != GroupState.FINALIZED and _gate_problem(locked, now) is not None
+
+
+def _member_facts(group: TaskGroup) -> list[MemberFacts]:
+    return [
+        MemberFacts(task_state, verdict)
+        for task_state, verdict in GroupMember.objects.filter(group=group).values_list("task__state", "verdict")
+    ]
+
+
+def _event(group: TaskGroup, type: str, gate: Run, subject_id: object = None, **data) -> Event:
+    return Event(
+        project_id=group.project_id,
+        type=type,
+        run_id=gate.id,
+        run_path=gate.path,
+        subject_id=str(subject_id or group.id),
+        data=data,
+        created_at=timezone.now(),
+    )
+
+
+def group_evaluate(locked: LockedGroup, now: datetime | None = None) -> bool:
+    """Apply the condition table to a locked group and finalize it if decided; return whether it was."""
+    group = locked.group
+    if group.state == GroupState.FINALIZED:
+        return False
+    now = now or timezone.now()
+    problem = _gate_problem(locked, now)
+    if problem == "cancelled":
+        _finalize(locked, GroupOutcome.FAILURE, "cancelled", now)
+        return True
+    decision = decide(
+        condition=group.condition,
+        threshold=group.threshold,
+        closed=group.state == GroupState.SEALED,
+        members=_member_facts(group),
+        deadline_passed=problem == "deadline",
+    )
+    if decision is None:
+        return False
+    _finalize(locked, *decision, now)
+    return True
+
+
+def _finalize(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: datetime) -> None:
+    """Record the decision, cancel the gate and every unfinished member: one transaction."""
+    from coordination.services.tasks import tasks_cancel_group_members
+
+    group, gate = locked.group, locked.gate
+    group.state = GroupState.FINALIZED
+    group.outcome = outcome
+    group.outcome_reason = reason
+    group.finalized_at = now
+    group.closed_at = group.closed_at or now
+    group.save(update_fields=["state", "outcome", "outcome_reason", "finalized_at", "closed_at"])
+    events_record_many([_event(group, "group.finalized", gate, outcome=outcome, reason=reason)])
+    if gate.stored_state == RunState.ACTIVE:
+        # The gate's cascade cancels the unfinished members delivered on it.
+        run_end(run_id=gate.id, project_id=group.project_id, state=RunState.CANCELLED, reason=f"group_{reason}")
+    # Members joined from elsewhere live on other runs: cancel them too.
+    tasks_cancel_group_members(group_id=group.id, reason=f"group_{reason}", now=now)
+
+
+def _close(locked: LockedGroup, now: datetime) -> None:
+    group = locked.group
+    group.state = GroupState.SEALED
+    group.closed_at = now
+    group.save(update_fields=["state", "closed_at"])
+    events_record_many([_event(group, "group.closed", locked.gate)])
+
+
+def _add_member(locked: LockedGroup, task: Task, now: datetime) -> None:
+    group = locked.group
+    GroupMember.objects.create(group=group, task=task, joined_at=now)
+    group.member_count += 1
+    group.save(update_fields=["member_count"])
+    if group.expected_members is not None and group.member_count >= group.expected_members:
+        _close(locked, now)
+
+
+# Create ----------------------------------------------------------------------------------
+
+
+def _validate_create(condition, threshold, expected_members, deadline, now) -> None:
+    errors = {}
+    if condition not in GroupCondition.values:
+        errors["condition"] = "FIRST_ACCEPTED, N_ACCEPTED or ALL_TERMINAL"
+    elif condition == GroupCondition.N_ACCEPTED:
+        if threshold is None or not 1 <= threshold <= MAX_MEMBERS:
+            errors["threshold"] = f"required for N_ACCEPTED, between 1 and {MAX_MEMBERS}"
+    elif threshold is not None:
+        errors["threshold"] = "only for N_ACCEPTED"
+    if expected_members is not None:
+        if not 1 <= expected_members <= MAX_MEMBERS:
+            errors["expectedMembers"] = f"between 1 and {MAX_MEMBERS}"
+        elif threshold is not None and expected_members < threshold:
+            errors["expectedMembers"] = "must be at least threshold"
+    if deadline is not None and deadline <= now:
+        errors["deadline"] = "must be in the future"
+    if errors:
+        raise exceptions.ValidationFailed("Invalid group.", **errors)
+
+
+@transaction.atomic
+def group_create(
+    *,
+    project_id: uuid.UUID,
+    mailbox_name: str,
+    condition: str,
+    threshold: int | None = None,
+    expected_members: int | None = None,
+    deadline: datetime | None = None,
+    parent_scope_id: uuid.UUID | None = None,
+    name: str = "",
+) -> TaskGroup:
+    """Create a group and its gate run (a child of ``parent_scope_id`` when given)."""
+    now = timezone.now()
+    _validate_create(condition, threshold, expected_members, deadline, now)
+    mailbox = Mailbox.objects.filter(project_id=project_id, name=mailbox_name, mode=MailboxMode.WORK).first()
+    if mailbox is None:
+        raise exceptions.NotFound("No WORK mailbox with that name.", mailbox=mailbox_name)
+    # Creating the gate is new work under the parent: refused when the parent is inactive.
+    gate = run_create(project_id=project_id, parent_id=parent_scope_id, name=f"group {name}".strip(), deadline=deadline)
+    group = TaskGroup.objects.create(
+        project_id=project_id,
+        mailbox=mailbox,
+        scope=gate,
+        parent_scope_id=parent_scope_id,
+        name=name,
+        condition=condition,
+        threshold=threshold,
+        expected_members=expected_members,
+        deadline=deadline,
+        created_at=now,
+    )
+    events_record_many(
+        [_event(group, "group.created", gate, condition=condition, threshold=threshold, mailbox=mailbox_name)]
+    )
+    return group
+
+
+# Members ---------------------------------------------------------------------------------
+
+
+@retrying
+@transaction.atomic
+def group_submit(
+    *,
+    project_id: uuid.UUID,
+    group_id: uuid.UUID,
+    input: object,
+    key: str | None = None,
+    priority: int = 0,
+    max_attempts: int | None = None,
+    expires_at: datetime | None = None,
+) -> tuple[Task, bool, TaskGroup]:
+    """Submit a new member on the gate; return it, whether it was created, and the group.
+
+    The same key and input answer the existing member, even after close. The submit that
+    reaches ``expectedMembers`` closes the group in this transaction.
+    """
+    from coordination.services.tasks import task_insert
+
+    locked = group_lock(group_id=group_id, project_id=project_id)
+    group, gate = locked.group, locked.gate
+    if key is not None:
+        existing = Task.objects.filter(mailbox=group.mailbox, run_id=gate.id, key=key).first()
+        if existing is not None:
+            if existing.input != input:
+                raise exceptions.KeyConflict(key=key, taskId=str(existing.id))
+            return existing, False, group
+    now = timezone.now()
+    if _is_due(locked, now):
+        raise GroupDue(group.id)
+    if group.state != GroupState.OPEN:
+        raise exceptions.GroupClosed(groupId=str(group.id), state=group.state)
+    if group.member_count >= MAX_MEMBERS:
+        raise exceptions.GroupFull(groupId=str(group.id), maxMembers=MAX_MEMBERS)
+    task = task_insert(
+        project_id=project_id,
+        mailbox=group.mailbox,
+        chain=locked.chain,
+        input=input,
+        key=key,
+        priority=priority,
+        max_attempts=max_attempts,
+        expires_at=expires_at,
+        group=group,
+        now=now,
+    )
+    _add_member(locked, task, now)
+    group_evaluate(locked, now)
+    return task, True, group
+
+
+@retrying
+@transaction.atomic
+def group_join(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID) -> tuple[Task, TaskGroup]:
+    """Add an existing task of the group's mailbox while the group is open."""
+    locked = group_lock(group_id=group_id, project_id=project_id)
+    group = locked.group
+    task = Task.objects.select_for_update().filter(id=task_id, project_id=project_id).first()
+    if task is None:
+        raise exceptions.NotFound("Task not found.", taskId=str(task_id))
+    if task.group_id == group.id:
+        return task, group
+    if task.mailbox_id != group.mailbox_id:
+        raise exceptions.ValidationFailed("The task is in another mailbox.", taskId="must be in the group's mailbox")
+    if task.group_id is not None:
+        raise exceptions.InvalidState("The task is in another group.", taskId=str(task.id))
+    now = timezone.now()
+    if _is_due(locked, now):
+        raise GroupDue(group.id)
+    if group.state != GroupState.OPEN:
+        raise exceptions.GroupClosed(groupId=str(group.id), state=group.state)
+    if group.member_count >= MAX_MEMBERS:
+        raise exceptions.GroupFull(groupId=str(group.id), maxMembers=MAX_MEMBERS)
+    task.group = group
+    task.save(update_fields=["group"])
+    _add_member(locked, task, now)
+    group_evaluate(locked, now)
+    return task, group
+
+
+# Close, verdicts -------------------------------------------------------------------------
+
+
+@retrying
+@transaction.atomic
+def group_close(*, project_id: uuid.UUID, group_id: uuid.UUID, seal: bool = False) -> TaskGroup:
+    """Close the group to new members and evaluate it at once; idempotent.
+
+    ``seal=True`` is the same, but a group already finalized is ``GROUP_FINALIZED``.
+    """
+    locked = group_lock(group_id=group_id, project_id=project_id)
+    group = locked.group
+    now = timezone.now()
+    if _is_due(locked, now):
+        raise GroupDue(group.id)
+    if group.state == GroupState.FINALIZED:
+        if seal:
+            raise exceptions.GroupFinalized(groupId=str(group.id), outcome=group.outcome)
+        return group
+    if group.state == GroupState.OPEN:
+        _close(locked, now)
+    group_evaluate(locked, now)
+    return group
+
+
+@dataclass(frozen=True)
+class VerdictResult:
+    """A recorded verdict and the group's state after it."""
+
+    member: GroupMember
+    group: TaskGroup
+
+
+@retrying
+@transaction.atomic
+def group_verdict(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID, verdict: Verdict) -> VerdictResult:
+    """Accept or reject a member; idempotent. After finalize the verdict is kept as ``late``."""
+    locked = group_lock(group_id=group_id, project_id=project_id)
+    group = locked.group
+    member = GroupMember.objects.filter(group=group, task_id=task_id).first()
+    if member is None:
+        raise exceptions.NotFound("No such member.", taskId=str(task_id))
+    # Group before task (house order); the task's state must not move while we judge it.
+    task = Task.objects.select_for_update().get(id=task_id)
+    now = timezone.now()
+    # A group past its deadline is decided before this verdict, which then arrives late.
+    if _is_due(locked, now):
+        group_evaluate(locked, now)
+    if member.verdict == verdict:
+        return VerdictResult(member, group)
+    if member.verdict is not None:
+        raise exceptions.VerdictConflict(taskId=str(task_id), verdict=member.verdict)
+    if verdict == Verdict.ACCEPTED and task.state != TaskState.SUCCEEDED:
+        raise exceptions.TaskNotSucceeded(taskId=str(task_id), state=task.state)
+    if verdict == Verdict.REJECTED and task.state not in TASK_TERMINAL:
+        raise exceptions.TaskNotFinished(taskId=str(task_id), state=task.state)
+    member.verdict = verdict
+    member.verdict_at = now
+    member.late = group.state == GroupState.FINALIZED
+    member.save(update_fields=["verdict", "verdict_at", "late"])
+    events_record_many(
+        [
+            _event(
+                group,
+                "member.verdict",
+                locked.gate,
+                subject_id=task_id,
+                groupId=str(group.id),
+                verdict=verdict,
+                late=member.late,
+            )
+        ]
+    )
+    if not member.late:
+        group_evaluate(locked, now)
+    return VerdictResult(member, group)
+
+
+# Reads and the deadline ------------------------------------------------------------------
+
+
+@transaction.atomic
+def group_finalize_if_due(*, group_id: uuid.UUID) -> TaskGroup:
+    """Finalize the group if its deadline passed or its gate is inactive; return it."""
+    locked = group_lock(group_id=group_id)
+    group_evaluate(locked)
+    return locked.group
+
+
+def groups_finalize_due(*, now: datetime | None = None, batch_size: int = 100) -> int:
+    """Finalize undecided groups past their deadline, one short transaction each; return how many."""
+    now = now or timezone.now()
+    due = list(
+        TaskGroup.objects.exclude(state=GroupState.FINALIZED)
+        .filter(deadline__lte=now)
+        .order_by("deadline")
+        .values_list("id", flat=True)[:batch_size]
+    )
+    for group_id in due:
+        group_finalize_if_due(group_id=group_id)
+    return len(due)
+
+
+# Run cascade -----------------------------------------------------------------------------
+
+
+def groups_end_subtree(end: SubtreeEnd) -> None:
+    """Finalize groups gated in the subtree (``FAILURE``/``cancelled``); lock groups of members in it.
+
+    Runs before the tasks step: groups are locked before tasks (house order).
+    """
+    prefix = end.path_prefix
+    gated = list(
+        TaskGroup.objects.filter(scope__path__startswith=prefix)
+        .exclude(state=GroupState.FINALIZED)
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
+    for group_id in gated:
+        group_evaluate(group_lock(group_id=group_id))
+    member_groups = sorted(
+        set(
+            Task.objects.filter(run_path__startswith=prefix, state__in=TASK_UNFINISHED, group__isnull=False)
+            .exclude(group__state=GroupState.FINALIZED)
+            .values_list("group_id", flat=True)
+        )
+        - set(gated)
+    )
+    end.memo["member_groups"] = [group_lock(group_id=group_id) for group_id in member_groups]
+
+
+def groups_reevaluate_after_subtree_end(end: SubtreeEnd) -> None:
+    """Evaluate the groups whose members the cascade just cancelled."""
+    for locked in end.memo.get("member_groups", []):
+        group_evaluate(locked, end.now)
