@@ -5,9 +5,19 @@ state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
 """
 
 from .events import EventAdmin
+from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
 from .work import MailboxAdmin, MessageAdmin, TaskAdmin
 
-__all__ = ["ApiKeyAdmin", "EventAdmin", "MailboxAdmin", "MessageAdmin", "ProjectAdmin", "RunAdmin", "TaskAdmin"]
+__all__ = [
+    "ApiKeyAdmin",
+    "EventAdmin",
+    "MailboxAdmin",
+    "MessageAdmin",
+    "ProjectAdmin",
+    "RunAdmin",
+    "TaskAdmin",
+    "TaskGroupAdmin",
+]
