@@ -9,3 +9,7 @@ class CoordinationConfig(AppConfig):
     name = "coordination"
     verbose_name = "Coordination"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        """Register the OpenAPI description of the API-key authentication."""
+        from coordination.api import schema  # noqa: F401 - registers the extension

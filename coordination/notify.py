@@ -141,8 +141,9 @@ class NotificationHub:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            self._listening.set()
+            # Wake first, then announce: a waiter resuming from ready() already has its wake-up.
             self._wake_all()
+            self._listening.set()
             try:
                 while not self._stopping.is_set():
                     for notify in conn.notifies(timeout=0.5):

@@ -143,10 +143,12 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
-    "APPEND_COMPONENTS": {
-        "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+    "ENUM_NAME_OVERRIDES": {
+        "RunStateEnum": "coordination.states.RunState",
+        "TaskStateEnum": "coordination.states.TaskState",
+        "GroupStateEnum": "coordination.states.GroupState",
+        "MessageStateEnum": "coordination.states.MessageState",
     },
-    "SECURITY": [{"bearerAuth": []}],
 }
 
 # Celery: the database is the source of truth, broker messages only wake workers.

@@ -95,7 +95,7 @@ def group_lock(*, group_id: uuid.UUID, project_id: uuid.UUID | None = None) -> L
     gate_id, group_project_id = row
     chain = run_chain_lock(gate_id, project_id=group_project_id, target_mode=LockMode.UPDATE)
     # The gate chain is ours: no other decider of this group can be between its reads and ours.
-    group = TaskGroup.objects.select_for_update().select_related("mailbox").get(id=group_id)
+    group = TaskGroup.objects.select_for_update(of=("self",)).select_related("mailbox").get(id=group_id)
     return LockedGroup(group, chain)
 
 

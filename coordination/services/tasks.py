@@ -310,7 +310,7 @@ def _lock_task(project_id: uuid.UUID | None, task_id: uuid.UUID) -> tuple[Task, 
         raise exceptions.NotFound("Task not found.", taskId=str(task_id))
     group_id = found[0]
     locked_group = group_lock(group_id=group_id) if group_id is not None else None
-    task = Task.objects.select_for_update().select_related("mailbox").get(id=task_id)
+    task = Task.objects.select_for_update(of=("self",)).select_related("mailbox").get(id=task_id)
     if task.group_id != group_id:
         raise GroupMembershipChanged(str(task_id))
     return task, locked_group

@@ -61,3 +61,33 @@ def test_docs_page_is_served_without_a_cdn(anon):
     html = response.content.decode()
     assert "swagger" in html.lower()
     assert "cdn." not in html and "unpkg" not in html
+
+
+def test_schema_declares_bearer_auth_and_leaves_probes_open(anon):
+    schema = anon.get("/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    assert schema["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
+    assert schema["paths"]["/v1/runs"]["post"]["security"] == [{"bearerAuth": []}]
+    assert schema["paths"]["/v1/healthz"]["get"].get("security") in (None, [], [{}])
+
+
+def test_schema_generates_without_warnings():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("spectacular", "--validate", "--fail-on-warn", stdout=out)
+    assert "/v1/groups/{group_id}/close" in out.getvalue()
+
+
+def test_schema_lists_long_polls_and_every_operation_of_work_and_groups(anon):
+    paths = anon.get("/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()["paths"]
+    for path, method in [
+        ("/v1/tasks/{task_id}/result", "get"),
+        ("/v1/mailboxes/{name}/claims", "post"),
+        ("/v1/groups/{group_id}/wait", "get"),
+        ("/v1/groups/{group_id}/members/{task_id}/accept", "post"),
+        ("/v1/mailboxes/{name}/deliveries", "post"),
+        ("/v1/events", "get"),
+    ]:
+        assert method in paths[path], path

@@ -409,3 +409,23 @@ def test_cancel_of_a_finished_task_answers_it_unchanged(api, work):
 def test_cancel_validates_grace(api, work):
     task = submit(api, work)
     err(api.post(f"/v1/tasks/{task['id']}/cancel", {"graceMs": -5}, format="json"), 400, "VALIDATION_ERROR")
+
+
+def test_a_key_bound_to_a_run_reaches_only_claims_and_tasks_in_its_subtree(api, project, work):
+    from tests.conftest import make_client
+
+    inside = api.post(f"/v1/runs/{work['id']}/children", {}, format="json").json()
+    outside = api.post("/v1/runs", {}, format="json").json()
+    bound = make_client(project, run_id=inside["id"])
+    mine = submit(bound, inside, {"mine": 1})
+    theirs = submit(api, outside, {"theirs": 1})
+    (their_claim,) = claim(api, outside)
+    (my_claim,) = claim(bound, inside)
+    assert my_claim["task"]["id"] == mine["id"]
+    for action, body in [("renew", {}), ("complete", {}), ("fail", {}), ("release", None)]:
+        err(bound.post(f"/v1/claims/{their_claim['claimId']}/{action}", body, format="json"), 404, "NOT_FOUND")
+    err(bound.get(f"/v1/tasks/{theirs['id']}"), 404, "NOT_FOUND")
+    err(bound.post(f"/v1/tasks/{theirs['id']}/cancel", {}, format="json"), 404, "NOT_FOUND")
+    err(bound.post("/v1/mailboxes/jobs/claims", {"runId": outside["id"]}, format="json"), 404, "NOT_FOUND")
+    assert bound.post(f"/v1/claims/{my_claim['claimId']}/complete", {}, format="json").json()["state"] == "SUCCEEDED"
+    assert api.get(f"/v1/tasks/{theirs['id']}").json()["state"] == "RUNNING"

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
+from coordination import exceptions, selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import in_request, long_poll
 from coordination.api.presenters import present_claim, present_mailbox, present_task
@@ -144,7 +144,21 @@ class ClaimCollectionView(AsyncApiView):
         return Response({"claims": [present_claim(c, mailbox.name) for c in claims]})
 
 
-class ClaimRenewView(ApiView):
+class ClaimView(ApiView):
+    """An operation on a claim; a key bound to a run reaches only claims in its subtree."""
+
+    def visible_claim_id(self, claim_id: str) -> str:
+        """Return ``claim_id`` if the caller may see its task, else raise ``NotFound``."""
+        if self.visibility.bound_path is not None:
+            task_id, _ = task_services.parse_claim_id(claim_id)
+            try:
+                selectors.task_get(self.visibility, task_id)
+            except exceptions.NotFound:
+                raise exceptions.NotFound("Claim not found.", claimId=claim_id) from None
+        return claim_id
+
+
+class ClaimRenewView(ClaimView):
     """Extend a claim's lease."""
 
     @extend_schema(operation_id="claims_renew", request=s.RenewIn, responses=with_errors({200: s.ClaimOut}))
@@ -152,23 +166,25 @@ class ClaimRenewView(ApiView):
         """Renew the lease; ``cancellationRequested`` tells the worker to stop."""
         data = self.body(s.RenewIn)
         claim = task_services.claim_renew(
-            project_id=self.project_id, claim_id=claim_id, lease_ttl_ms=data.get("leaseTtlMs")
+            project_id=self.project_id, claim_id=self.visible_claim_id(claim_id), lease_ttl_ms=data.get("leaseTtlMs")
         )
         return Response(present_claim(claim))
 
 
-class ClaimCompleteView(ApiView):
+class ClaimCompleteView(ClaimView):
     """Complete a claimed task."""
 
     @extend_schema(operation_id="claims_complete", request=s.CompleteIn, responses=with_errors({200: s.TaskOut}))
     def post(self, request, claim_id):
         """Record the outcome (``CANCELLED`` instead if cancellation was requested)."""
         data = self.body(s.CompleteIn)
-        task = task_services.claim_complete(project_id=self.project_id, claim_id=claim_id, outcome=data["outcome"])
+        task = task_services.claim_complete(
+            project_id=self.project_id, claim_id=self.visible_claim_id(claim_id), outcome=data["outcome"]
+        )
         return Response(present_task(task))
 
 
-class ClaimFailView(ApiView):
+class ClaimFailView(ClaimView):
     """Fail a claimed task."""
 
     @extend_schema(operation_id="claims_fail", request=s.FailIn, responses=with_errors({200: s.TaskOut}))
@@ -177,7 +193,7 @@ class ClaimFailView(ApiView):
         data = self.body(s.FailIn)
         task = task_services.claim_fail(
             project_id=self.project_id,
-            claim_id=claim_id,
+            claim_id=self.visible_claim_id(claim_id),
             error=data["error"],
             retry=data["retry"],
             retry_delay_ms=data["retryDelayMs"],
@@ -185,11 +201,11 @@ class ClaimFailView(ApiView):
         return Response(present_task(task))
 
 
-class ClaimReleaseView(ApiView):
+class ClaimReleaseView(ClaimView):
     """Give a claimed task back."""
 
     @extend_schema(operation_id="claims_release", request=None, responses=with_errors({200: s.TaskOut}))
     def post(self, request, claim_id):
         """Put the task back in the queue (still allowed after the run was cancelled)."""
-        task = task_services.claim_release(project_id=self.project_id, claim_id=claim_id)
+        task = task_services.claim_release(project_id=self.project_id, claim_id=self.visible_claim_id(claim_id))
         return Response(present_task(task))

@@ -1,0 +1,221 @@
+"""Groups decided exactly once under races: real threads, real connections."""
+
+import random
+
+import pytest
+from django.db import connection
+from django.db.models import Q
+
+from coordination import exceptions
+from coordination.models import Event, GroupMember, Task, TaskGroup
+from coordination.services.groups import group_close, group_create, group_submit, group_verdict
+from coordination.services.keys import project_ensure
+from coordination.services.mailboxes import mailbox_ensure
+from coordination.services.runs import run_cancel, run_create
+from coordination.services.tasks import claim_complete, claim_fail, task_claim
+from coordination.states import Verdict
+from tests.concurrency.util import run_in_threads
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
+
+
+@pytest.fixture
+def world():
+    project = project_ensure(name="group-races")
+    mailbox, _ = mailbox_ensure(project_id=project.id, name="reviews", mode="WORK")
+    return project, mailbox
+
+
+def make_group(project, mailbox, *, members, succeed=(), fail=(), parent_id=None, **create):
+    """Create a group with ``members`` members; complete those in ``succeed``, fail those in ``fail``."""
+    group = group_create(project_id=project.id, mailbox_name=mailbox.name, parent_scope_id=parent_id, **create)
+    tasks = [group_submit(project_id=project.id, group_id=group.id, input={"i": i})[0] for i in range(members)]
+    finishing = set(succeed) | set(fail)
+    if finishing:
+        claims = task_claim(project_id=project.id, mailbox=mailbox, run_id=group.scope_id, max_claims=members)
+        by_task = {c.task.id: c for c in claims}
+        for index in sorted(finishing):
+            claim = by_task[tasks[index].id]
+            if index in succeed:
+                claim_complete(project_id=project.id, claim_id=claim.claim_id, outcome={"i": index})
+            else:
+                claim_fail(project_id=project.id, claim_id=claim.claim_id, error="no")
+    return group, tasks
+
+
+# An independent model of the condition table (DESIGN.md "Task groups"), used to audit the
+# recorded history; it deliberately does not import coordination.group_rules.
+def model_decision(condition, threshold, closed, members):
+    accepted = sum(1 for state, verdict in members.values() if verdict == "ACCEPTED")
+    rejected = sum(1 for state, verdict in members.values() if verdict == "REJECTED")
+    acceptable = sum(
+        1 for state, verdict in members.values() if state not in TERMINAL or (state == "SUCCEEDED" and verdict is None)
+    )
+    finished = all(
+        state in TERMINAL and (state != "SUCCEEDED" or verdict is not None) for state, verdict in members.values()
+    )
+    if condition == "FIRST_ACCEPTED" and accepted >= 1:
+        return ("SUCCESS", "first_accepted")
+    if condition == "N_ACCEPTED":
+        if accepted >= threshold:
+            return ("SUCCESS", "threshold_reached")
+        if closed and accepted + acceptable < threshold:
+            return ("FAILURE", "threshold_unreachable")
+    if condition == "ALL_TERMINAL" and closed and finished:
+        return ("SUCCESS", "all_terminal") if accepted >= 1 and rejected == 0 else ("FAILURE", "all_terminal")
+    return None
+
+
+def audit(group_id):
+    """Replay the group's history (its events are serialized by the group lock) against the model.
+
+    Checks: decided at most once; decided at exactly the first step where the model says so,
+    with the model's outcome; nothing unfinished after the decision; late verdicts only after.
+    """
+    group = TaskGroup.objects.get(id=group_id)
+    member_ids = {str(t) for t in GroupMember.objects.filter(group=group).values_list("task_id", flat=True)}
+    members, closed, decision = {}, False, None
+    history = Event.objects.filter(
+        Q(subject_id__in=member_ids) | Q(subject_id=str(group_id)), project_id=group.project_id
+    ).order_by("id")
+    state_of = {
+        "task.submitted": "QUEUED",
+        "task.claimed": "RUNNING",
+        "task.requeued": "QUEUED",
+        "task.succeeded": "SUCCEEDED",
+        "task.failed": "FAILED",
+        "task.cancelled": "CANCELLED",
+        "task.expired": "EXPIRED",
+        "task.cancellation_requested": "CANCELLATION_REQUESTED",
+    }
+    finalized_events = 0
+    for event in history:
+        subject = event.subject_id
+        if event.type in state_of and subject in member_ids:
+            verdict = members.get(subject, (None, None))[1]
+            members[subject] = (state_of[event.type], verdict)
+        elif event.type == "member.verdict" and event.data.get("groupId") == str(group_id):
+            assert event.data["late"] == (decision is not None), "late flag disagrees with the decision time"
+            if decision is None:
+                members[subject] = (members[subject][0], event.data["verdict"])
+        elif event.type == "group.closed" and subject == str(group_id):
+            closed = True
+        elif event.type == "group.finalized" and subject == str(group_id):
+            finalized_events += 1
+            expected = model_decision(group.condition, group.threshold, closed, members)
+            reason = event.data["reason"]
+            if reason == "cancelled":
+                assert expected is None, f"cancelled although already decided {expected}"
+            else:
+                assert expected == (event.data["outcome"], reason), f"model {expected} vs recorded {event.data}"
+            decision = (event.data["outcome"], reason)
+            continue
+        if decision is None and model_decision(group.condition, group.threshold, closed, members) is not None:
+            # Decided now: the finalize must follow, written by the same transaction.
+            following = history.filter(id__gt=event.id, type="group.finalized", subject_id=str(group_id)).first()
+            assert following is not None, "the model decided but the group never finalized"
+            if connection.vendor == "postgresql":
+                assert following.txid == event.txid, "decided in another transaction than the deciding change"
+    assert finalized_events <= 1, "decided twice"
+    if decision is not None:
+        assert (group.state, group.outcome, group.outcome_reason) == ("FINALIZED", *decision)
+        unfinished = Task.objects.filter(group_id=group_id).exclude(state__in=TERMINAL)
+        assert not unfinished.exists(), "an unfinished member survived the decision"
+    else:
+        assert group.state != "FINALIZED"
+    return decision
+
+
+def test_16_threads_accept_50_members_threshold_5_exactly_one_decision_50_rounds(world):
+    project, mailbox = world
+    for _ in range(50):
+        group, tasks = make_group(project, mailbox, members=50, succeed=range(50), condition="N_ACCEPTED", threshold=5)
+        ids = [t.id for t in tasks]
+        random.shuffle(ids)
+        slices = [ids[i::16] for i in range(16)]
+
+        def acceptor(my_ids, group_id=group.id):
+            late = 0
+            for task_id in my_ids:
+                result = group_verdict(
+                    project_id=project.id, group_id=group_id, task_id=task_id, verdict=Verdict.ACCEPTED
+                )
+                late += result.member.late
+            return late
+
+        run_in_threads([lambda s=s: acceptor(s) for s in slices])
+        assert Event.objects.filter(type="group.finalized", subject_id=str(group.id)).count() == 1
+        group.refresh_from_db()
+        assert (group.state, group.outcome, group.outcome_reason) == ("FINALIZED", "SUCCESS", "threshold_reached")
+        verdicts = GroupMember.objects.filter(group=group)
+        assert verdicts.filter(verdict="ACCEPTED", late=False).count() == 5
+        assert verdicts.filter(verdict="ACCEPTED", late=True).count() == 45
+        audit(group.id)
+
+
+def test_completions_racing_close_and_verdicts_200_rounds(world):
+    """Members finish, a reviewer judges, someone closes: the audit replays every history."""
+    project, mailbox = world
+    rng = random.Random(7)
+    decided = 0
+    for _ in range(200):
+        condition = rng.choice(["N_ACCEPTED", "ALL_TERMINAL", "FIRST_ACCEPTED"])
+        threshold = rng.randint(1, 3) if condition == "N_ACCEPTED" else None
+        group, tasks = make_group(project, mailbox, members=4, condition=condition, threshold=threshold)
+        claims = task_claim(project_id=project.id, mailbox=mailbox, run_id=group.scope_id, max_claims=4)
+        plan = {c.task.id: rng.random() < 0.7 for c in claims}
+
+        def worker(claims=claims, plan=plan):
+            for claim in claims:
+                try:
+                    if plan[claim.task.id]:
+                        claim_complete(project_id=project.id, claim_id=claim.claim_id, outcome=None)
+                    else:
+                        claim_fail(project_id=project.id, claim_id=claim.claim_id, error="no")
+                except (exceptions.ScopeCancelled, exceptions.LeaseLost):
+                    pass  # the group finalized first and cancelled the rest
+
+        def reviewer(tasks=tasks, group_id=group.id, seed=rng.random()):
+            local = random.Random(seed)
+            for _ in range(3):
+                for task in tasks:
+                    verdict = Verdict.ACCEPTED if local.random() < 0.6 else Verdict.REJECTED
+                    try:
+                        group_verdict(project_id=project.id, group_id=group_id, task_id=task.id, verdict=verdict)
+                    except (exceptions.TaskNotSucceeded, exceptions.TaskNotFinished, exceptions.VerdictConflict):
+                        pass
+
+        def closer(group_id=group.id):
+            group_close(project_id=project.id, group_id=group_id)
+
+        run_in_threads([worker, reviewer, closer])
+        decided += audit(group.id) is not None
+    assert decided > 0
+
+
+def test_parent_cancel_racing_the_deciding_accept(world):
+    project, mailbox = world
+    seen = set()
+    for _ in range(100):
+        parent = run_create(project_id=project.id)
+        group, tasks = make_group(
+            project, mailbox, members=2, succeed=[0], parent_id=parent.id, condition="FIRST_ACCEPTED"
+        )
+
+        def accept(group_id=group.id, task_id=tasks[0].id):
+            group_verdict(project_id=project.id, group_id=group_id, task_id=task_id, verdict=Verdict.ACCEPTED)
+
+        def cancel(parent_id=parent.id):
+            run_cancel(run_id=parent_id, project_id=project.id)
+
+        run_in_threads([accept, cancel])
+        group.refresh_from_db()
+        outcome = (group.state, group.outcome, group.outcome_reason)
+        assert outcome in {("FINALIZED", "SUCCESS", "first_accepted"), ("FINALIZED", "FAILURE", "cancelled")}
+        assert Event.objects.filter(type="group.finalized", subject_id=str(group.id)).count() == 1
+        assert Task.objects.get(id=tasks[1].id).state == "CANCELLED"
+        seen.add(outcome[1])
+        audit(group.id)
+    assert seen == {"SUCCESS", "FAILURE"}, f"only saw {seen}"
