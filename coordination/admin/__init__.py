@@ -4,6 +4,7 @@ Every change made here goes through ``coordination.services``; the admin never w
 state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
 """
 
+from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
@@ -13,6 +14,7 @@ from .work import MailboxAdmin, MessageAdmin, TaskAdmin
 
 __all__ = [
     "ApiKeyAdmin",
+    "BarrierAdmin",
     "EventAdmin",
     "MailboxAdmin",
     "MessageAdmin",
@@ -20,4 +22,5 @@ __all__ = [
     "RunAdmin",
     "TaskAdmin",
     "TaskGroupAdmin",
+    "TimerAdmin",
 ]
