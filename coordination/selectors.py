@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from coordination import exceptions
-from coordination.models import Event, Message, Run, Task, TaskGroup
+from coordination.models import Barrier, Event, Message, Run, Task, TaskGroup, Timer
 from coordination.services.locking import chain_refusal
 from coordination.states import Effective, InactiveReason
 
@@ -251,3 +251,19 @@ def group_is_due(group: TaskGroup, now: datetime | None = None) -> bool:
     if group.deadline is not None and group.deadline <= now:
         return True
     return runs_effective([group.scope], now)[group.scope_id].effective != Effective.ACTIVE
+
+
+def barrier_get(visibility: Visibility, barrier_id: object) -> Barrier:
+    """Return a visible barrier, or raise ``NotFound``."""
+    barrier = Barrier.objects.filter(project_id=visibility.project_id, id=parse_id(barrier_id, what="Barrier")).first()
+    if barrier is None or not visibility.sees_path(barrier.run_path):
+        raise exceptions.NotFound("Barrier not found.", barrierId=str(barrier_id))
+    return barrier
+
+
+def timer_get(visibility: Visibility, timer_id: object) -> Timer:
+    """Return a visible timer, or raise ``NotFound``."""
+    timer = Timer.objects.filter(project_id=visibility.project_id, id=parse_id(timer_id, what="Timer")).first()
+    if timer is None or not visibility.sees_path(timer.run_path):
+        raise exceptions.NotFound("Timer not found.", timerId=str(timer_id))
+    return timer

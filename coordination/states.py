@@ -103,3 +103,20 @@ class Verdict(models.TextChoices):
 
     ACCEPTED = "ACCEPTED"
     REJECTED = "REJECTED"
+
+
+class BarrierState(models.TextChoices):
+    """A barrier's state within its current epoch; written only by ``coordination.services.barriers``."""
+
+    WAITING = "WAITING"  # fewer than ``target`` distinct keys have arrived
+    RELEASED = "RELEASED"  # ``target`` keys arrived; ``nextEpoch`` re-arms it
+    CANCELLED = "CANCELLED"  # its run was cancelled, completed or passed its deadline while waiting
+
+
+class TimerState(models.TextChoices):
+    """A durable timer's lifecycle; written only by ``coordination.services.timers``."""
+
+    ARMED = "ARMED"  # waiting for ``fire_at``
+    FIRED = "FIRED"  # fired on the server, whether or not anyone waits
+    ACKNOWLEDGED = "ACKNOWLEDGED"  # a waiter saw it fire
+    CANCELLED = "CANCELLED"  # disarmed before firing (directly or with its run)

@@ -148,6 +148,8 @@ SPECTACULAR_SETTINGS = {
         "TaskStateEnum": "coordination.states.TaskState",
         "GroupStateEnum": "coordination.states.GroupState",
         "MessageStateEnum": "coordination.states.MessageState",
+        "BarrierStateEnum": "coordination.states.BarrierState",
+        "TimerStateEnum": "coordination.states.TimerState",
     },
 }
 
@@ -170,12 +172,20 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A request that dispatches a wake-up must not hang on a broker that is down: give up fast,
+# the sweeps act on everything due anyway.
+CELERY_BROKER_CONNECTION_TIMEOUT = 2
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TIMEZONE = "UTC"
 
 # runstate's own knobs.
 RUNSTATE_DEFAULT_CHILD_LIMIT = int(os.environ.get("RUNSTATE_DEFAULT_CHILD_LIMIT", "1000"))
 RUNSTATE_MAX_WAIT_MS = 30_000
+# Timers and deadlines due within this horizon get an ETA message at creation; later ones
+# get it from the periodic dispatch of upcoming timers (the 1 s sweep covers both anyway).
+RUNSTATE_ETA_HORIZON_S = int(os.environ.get("RUNSTATE_ETA_HORIZON_S", "300"))
+RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAYS", "7"))
 
 LOGGING = {
     "version": 1,

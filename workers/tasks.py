@@ -1,1 +1,101 @@
-"""Celery tasks of runstate (the periodic sweeps and the decorated-task runtime land here)."""
+"""Celery tasks of runstate: the periodic sweeps and the on-time wake-ups.
+
+Every task calls the services, which are idempotent and take their own locks: a duplicate
+delivery, two beat schedulers or two workers running the same sweep never double-act.
+"""
+
+import time
+import uuid
+from datetime import timedelta
+
+from celery import shared_task
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+# Each periodic sweep works for at most this long per run, in short batches.
+SWEEP_BUDGET_S = 0.8
+
+
+def _drain(sweep, budget_s: float = SWEEP_BUDGET_S, **kwargs) -> int:
+    """Call ``sweep`` (one batch, one transaction) until it finds nothing or the budget is spent."""
+    close_old_connections()
+    started, total = time.monotonic(), 0
+    while time.monotonic() - started < budget_s:
+        done = sweep(**kwargs)
+        total += done
+        if not done:
+            break
+    return total
+
+
+@shared_task(name="runstate.fire_timer", ignore_result=True)
+def fire_timer(timer_id: str) -> None:
+    """Fire one timer at its due time (dispatched on creation with an ETA)."""
+    from coordination.services.timers import timer_fire
+
+    close_old_connections()
+    timer_fire(timer_id=uuid.UUID(timer_id))
+
+
+@shared_task(name="runstate.sweep_run_deadline", ignore_result=True)
+def sweep_run_deadline(run_id: str) -> None:
+    """End the work below one run at its deadline (dispatched on creation with an ETA)."""
+    from coordination.services.runs import run_sweep_deadline
+
+    close_old_connections()
+    run_sweep_deadline(run_id=uuid.UUID(run_id))
+
+
+@shared_task(name="runstate.sweep_timers", ignore_result=True)
+def sweep_timers() -> int:
+    """Fire every armed timer that is due."""
+    from coordination.services.timers import timers_fire_due
+
+    return _drain(timers_fire_due)
+
+
+@shared_task(name="runstate.sweep_leases", ignore_result=True)
+def sweep_leases() -> int:
+    """Return expired leases to the queue (or fail them); finalize cancellations whose lease or grace ran out."""
+    from coordination.services.messages import messages_cancel_orphaned_in_flight
+    from coordination.services.tasks import tasks_settle_expired_leases
+
+    return _drain(tasks_settle_expired_leases) + _drain(messages_cancel_orphaned_in_flight)
+
+
+@shared_task(name="runstate.sweep_deadlines", ignore_result=True)
+def sweep_deadlines() -> int:
+    """Act on passed deadlines: runs (their subtree's work), groups, and tasks' ``expiresAt``."""
+    from coordination.services.groups import groups_finalize_due
+    from coordination.services.runs import runs_sweep_deadlines
+    from coordination.services.tasks import tasks_expire_queued
+
+    return _drain(runs_sweep_deadlines) + _drain(groups_finalize_due) + _drain(tasks_expire_queued)
+
+
+@shared_task(name="runstate.dispatch_upcoming_timers", ignore_result=True)
+def dispatch_upcoming_timers() -> int:
+    """Send ETA wake-ups for armed timers coming due within the horizon (far timers skipped them)."""
+    from coordination.models import Timer
+    from coordination.states import TimerState
+    from workers.dispatch import dispatch_timer
+
+    close_old_connections()
+    now = timezone.now()
+    upcoming = Timer.objects.filter(
+        state=TimerState.ARMED, fire_at__gt=now, fire_at__lte=now + timedelta(seconds=settings.RUNSTATE_ETA_HORIZON_S)
+    ).values_list("id", "fire_at")
+    count = 0
+    for timer_id, fire_at in upcoming.iterator():
+        dispatch_timer(timer_id, fire_at)
+        count += 1
+    return count
+
+
+@shared_task(name="runstate.prune_events", ignore_result=True)
+def prune_events() -> int:
+    """Delete events older than the retention setting, in small batches."""
+    from coordination.services.events import events_prune
+
+    return _drain(events_prune, budget_s=30)

@@ -36,13 +36,20 @@ async def db[T](fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 async def long_poll[T](
-    read: Callable[[], T], *, done: Callable[[T], bool], topics: Iterable[object], timeout_ms: int
+    read: Callable[[], T],
+    *,
+    done: Callable[[T], bool],
+    topics: Iterable[object],
+    timeout_ms: int,
+    due_in_s: Callable[[T], float | None] | None = None,
 ) -> T:
     """Call ``read`` until ``done(value)`` or ``timeout_ms`` passes; return the last value.
 
     The first read runs like any request. Before waiting, the request's connection is
     closed and every later read borrows one only for its own duration. The waiter
     subscribes before the first read, so a commit between a read and the wait still wakes it.
+    ``due_in_s(value)``, when given, says when a time-based change is due (a timer), so the
+    next read happens then rather than at the next recheck.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
@@ -57,10 +64,14 @@ async def long_poll[T](
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return value
+            pause = min(remaining, RECHECK_S if hub.enabled() else SQLITE_POLL_S)
+            due = due_in_s(value) if due_in_s is not None else None
+            if due is not None:
+                pause = min(pause, max(due, 0.0))
             if hub.enabled():
-                await waiter.wait(min(remaining, RECHECK_S))
+                await waiter.wait(pause)
             else:
-                await asyncio.sleep(min(remaining, SQLITE_POLL_S))
+                await asyncio.sleep(pause)
             value = await db(read)
             if done(value):
                 return value

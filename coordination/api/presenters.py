@@ -2,7 +2,7 @@
 
 from datetime import UTC, datetime
 
-from coordination.models import Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup
+from coordination.models import Barrier, Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup, Timer
 from coordination.selectors import EffectiveState, event_cursor
 from coordination.services.messages import Delivery
 from coordination.services.tasks import Claim
@@ -159,3 +159,31 @@ def present_group(group: TaskGroup) -> dict:
 def present_decision(group: TaskGroup) -> dict:
     """Return ``{state, outcome, outcomeReason}`` of a group."""
     return {"state": group.state, "outcome": group.outcome, "outcomeReason": group.outcome_reason}
+
+
+def present_barrier(barrier: Barrier) -> dict:
+    """Return the API shape of a barrier."""
+    return {
+        "id": str(barrier.id),
+        "runId": str(barrier.run_id),
+        "name": barrier.name,
+        "target": barrier.target,
+        "epoch": barrier.epoch,
+        "arrivals": barrier.arrivals,
+        "state": barrier.state,
+        "releasedAt": iso(barrier.released_at),
+        "createdAt": iso(barrier.created_at),
+    }
+
+
+def present_timer(timer: Timer) -> dict:
+    """Return the API shape of a timer."""
+    return {
+        "id": str(timer.id),
+        "runId": str(timer.run_id),
+        "state": timer.state,
+        "fireAt": iso(timer.fire_at),
+        "firedAt": iso(timer.fired_at),
+        "acknowledgedAt": iso(timer.acknowledged_at),
+        "createdAt": iso(timer.created_at),
+    }

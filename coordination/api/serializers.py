@@ -4,6 +4,7 @@ from django.conf import settings
 from rest_framework import serializers
 
 from coordination.states import (
+    BarrierState,
     Effective,
     GroupCondition,
     GroupOutcome,
@@ -13,6 +14,7 @@ from coordination.states import (
     MessageState,
     RunState,
     TaskState,
+    TimerState,
     Verdict,
 )
 
@@ -420,3 +422,54 @@ class VerdictOut(serializers.Serializer):
     groupState = serializers.ChoiceField(choices=GroupState.choices)
     outcome = serializers.ChoiceField(choices=GroupOutcome.choices, allow_null=True)
     outcomeReason = serializers.CharField(allow_null=True)
+
+
+# Barriers and timers ---------------------------------------------------------------------
+
+
+class BarrierCreateIn(StrictSerializer):
+    """Body of ``POST /v1/barriers``."""
+
+    runId = serializers.CharField(max_length=100)
+    target = serializers.IntegerField(min_value=1, max_value=100_000)
+    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
+
+
+class BarrierArriveIn(StrictSerializer):
+    """Body of ``POST /v1/barriers/{id}/arrive``."""
+
+    key = serializers.CharField(max_length=MAX_KEY_LENGTH)
+
+
+class BarrierOut(serializers.Serializer):
+    """A barrier in its current epoch."""
+
+    id = serializers.CharField()
+    runId = serializers.CharField()
+    name = serializers.CharField()
+    target = serializers.IntegerField()
+    epoch = serializers.IntegerField()
+    arrivals = serializers.IntegerField()
+    state = serializers.ChoiceField(choices=BarrierState.choices)
+    releasedAt = serializers.DateTimeField(allow_null=True)
+    createdAt = serializers.DateTimeField()
+
+
+class TimerCreateIn(StrictSerializer):
+    """Body of ``POST /v1/timers``: exactly one of ``at`` and ``afterSeconds``."""
+
+    runId = serializers.CharField(max_length=100)
+    at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    afterSeconds = serializers.FloatField(required=False, allow_null=True, default=None, min_value=0)
+
+
+class TimerOut(serializers.Serializer):
+    """A timer."""
+
+    id = serializers.CharField()
+    runId = serializers.CharField()
+    state = serializers.ChoiceField(choices=TimerState.choices)
+    fireAt = serializers.DateTimeField()
+    firedAt = serializers.DateTimeField(allow_null=True)
+    acknowledgedAt = serializers.DateTimeField(allow_null=True)
+    createdAt = serializers.DateTimeField()

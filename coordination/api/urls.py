@@ -3,7 +3,7 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from coordination.api.views import events, groups, health, messages, runs, work
+from coordination.api.views import clock, events, groups, health, messages, runs, work
 
 urlpatterns = [
     path("healthz", health.HealthView.as_view(), name="healthz"),
@@ -41,4 +41,13 @@ urlpatterns = [
     path("groups/<str:group_id>/seal", groups.GroupSealView.as_view(), name="group-seal"),
     path("groups/<str:group_id>/members/<str:task_id>/accept", groups.MemberAcceptView.as_view(), name="member-accept"),
     path("groups/<str:group_id>/members/<str:task_id>/reject", groups.MemberRejectView.as_view(), name="member-reject"),
+    path("barriers", clock.BarrierCollectionView.as_view(), name="barriers"),
+    path("barriers/<str:barrier_id>", clock.BarrierDetailView.as_view(), name="barrier-detail"),
+    path("barriers/<str:barrier_id>/wait", clock.BarrierWaitView.as_view(), name="barrier-wait"),
+    path("barriers/<str:barrier_id>/arrive", clock.BarrierArriveView.as_view(), name="barrier-arrive"),
+    path("barriers/<str:barrier_id>/nextEpoch", clock.BarrierNextEpochView.as_view(), name="barrier-next-epoch"),
+    path("timers", clock.TimerCollectionView.as_view(), name="timers"),
+    path("timers/<str:timer_id>", clock.TimerDetailView.as_view(), name="timer-detail"),
+    path("timers/<str:timer_id>/wait", clock.TimerWaitView.as_view(), name="timer-wait"),
+    path("timers/<str:timer_id>/cancel", clock.TimerCancelView.as_view(), name="timer-cancel"),
 ]

@@ -35,12 +35,19 @@ class Run(models.Model):
     cancel_reason = models.TextField(null=True, blank=True)  # noqa: DJ001 - null means "no reason given"
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     ended_at = models.DateTimeField(null=True, blank=True)
+    # When the deadline sweep ended the subtree's work (the run's storedState stays ACTIVE).
+    deadline_swept_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["created_at", "id"]
         indexes = [
             models.Index(fields=["project", "created_at", "id"], name="run_project_created"),
             models.Index(fields=["parent", "created_at", "id"], name="run_parent_created"),
+            models.Index(
+                fields=["deadline"],
+                condition=models.Q(deadline__isnull=False, deadline_swept_at__isnull=True),
+                name="run_deadline_unswept",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -19,11 +19,23 @@ class SubtreeEnd:
     """A run whose subtree stops accepting work, and why."""
 
     run: Run
-    state: RunState  # CANCELLED or COMPLETED
+    state: RunState | None  # CANCELLED or COMPLETED; None when the run's deadline passed
     reason: str | None
     now: datetime
     # Scratch space for steps that work in two halves around another step (groups).
     memo: dict = field(default_factory=dict)
+
+    @property
+    def cause(self) -> str:
+        """Return why the subtree ends, as recorded in its events."""
+        if self.state is None:
+            return "run_deadline"
+        return "run_cancelled" if self.state == RunState.CANCELLED else "run_completed"
+
+    @property
+    def by_deadline(self) -> bool:
+        """Tell whether the subtree ends because a deadline passed (unfinished tasks then expire)."""
+        return self.state is None
 
     @property
     def path_prefix(self) -> str:
@@ -40,15 +52,19 @@ def cascade_steps() -> tuple[CascadeStep, ...]:
     Each step lives with its aggregate; importing here, not at module level, keeps the
     aggregates free to import this module.
     """
+    from coordination.services.barriers import barriers_cancel_subtree
     from coordination.services.groups import groups_end_subtree, groups_reevaluate_after_subtree_end
     from coordination.services.messages import messages_cancel_subtree
     from coordination.services.tasks import tasks_cancel_subtree
+    from coordination.services.timers import timers_cancel_subtree
 
     return (
         groups_end_subtree,  # finalize groups gated in the subtree; lock groups of members in it
         tasks_cancel_subtree,
         groups_reevaluate_after_subtree_end,  # members elsewhere' groups may now be decided
         messages_cancel_subtree,
+        barriers_cancel_subtree,
+        timers_cancel_subtree,
     )
 
 

@@ -1,5 +1,6 @@
 """Writing events, always inside the transaction of the change they describe."""
 
+from datetime import timedelta
 from typing import Any
 
 from django.db import connection
@@ -53,3 +54,16 @@ def events_record_many(events: list[Event]) -> None:
     for event in events:
         event.txid = CurrentTxid() if connection.vendor == "postgresql" else 0
     Event.objects.bulk_create(events)
+
+
+def events_prune(*, batch_size: int = 5000) -> int:
+    """Delete one batch of events older than ``RUNSTATE_EVENT_RETENTION_DAYS``; return how many."""
+    from django.conf import settings
+    from django.db import transaction
+
+    cutoff = timezone.now() - timedelta(days=settings.RUNSTATE_EVENT_RETENTION_DAYS)
+    with transaction.atomic():
+        ids = list(Event.objects.filter(created_at__lt=cutoff).order_by("id").values_list("id", flat=True)[:batch_size])
+        if ids:
+            Event.objects.filter(id__in=ids).delete()
+    return len(ids)

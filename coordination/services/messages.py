@@ -317,7 +317,7 @@ def messages_cancel_orphaned_in_flight(*, now: datetime | None = None, batch_siz
 
 def messages_cancel_subtree(end: SubtreeEnd) -> None:
     """Cancel the subtree's queued messages (in-flight ones finish through their delivery)."""
-    cause = "run_cancelled" if end.state == RunState.CANCELLED else "run_completed"
+    cause = end.cause
     rows = list(
         Message.objects.filter(Q(run_path__startswith=end.path_prefix), state=MessageState.QUEUED)
         .order_by("id")

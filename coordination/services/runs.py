@@ -66,6 +66,11 @@ def run_create(
         run.path = Run.path_for(run_id, parent.path)
         run.depth = parent.depth + 1
     run.save(force_insert=True)
+    if deadline is not None:
+        from workers.dispatch import dispatch_run_deadline
+
+        # Sweep the subtree at the deadline itself, not at the next periodic sweep.
+        transaction.on_commit(lambda: dispatch_run_deadline(run.id, deadline))
     event_record(
         project_id=project_id,
         type="run.created",
@@ -121,3 +126,48 @@ def run_complete(*, run_id: uuid.UUID, project_id: uuid.UUID) -> Run:
     Idempotent on a completed run; ``SCOPE_CANCELLED`` on a cancelled one.
     """
     return run_end(run_id=run_id, project_id=project_id, state=RunState.COMPLETED, reason=None)
+
+
+# The deadline sweep ----------------------------------------------------------------------
+
+
+@transaction.atomic
+def run_sweep_deadline(*, run_id: uuid.UUID) -> bool:
+    """End the work below a run whose deadline passed; return whether it did anything.
+
+    New work was refused from the deadline on (computed at read time); this makes it
+    final: groups under the run finalize ``FAILURE``/``deadline`` first, then unfinished
+    tasks expire and timers, barriers and queued messages are cancelled. The run's own
+    ``storedState`` does not change.
+    """
+    project_id = Run.objects.filter(id=run_id).values_list("project_id", flat=True).first()
+    if project_id is None:
+        return False
+    # FOR UPDATE, like a cancel: creators still holding the chain finish first.
+    chain = run_chain_lock(run_id, project_id=project_id, target_mode=LockMode.UPDATE)
+    run = chain[-1]
+    now = timezone.now()
+    if run.deadline is None or run.deadline > now or run.deadline_swept_at is not None:
+        return False
+    subtree_end(SubtreeEnd(run=run, state=None, reason="deadline", now=now))
+    run.deadline_swept_at = now
+    run.save(update_fields=["deadline_swept_at"])
+    event_record(
+        project_id=project_id,
+        type="run.deadline_exceeded",
+        run=run,
+        subject_id=run.id,
+        data={"deadline": run.deadline.isoformat()},
+    )
+    return True
+
+
+def runs_sweep_deadlines(*, now: datetime | None = None, batch_size: int = 100) -> int:
+    """Sweep runs past their deadline, one short transaction each; return how many were swept."""
+    now = now or timezone.now()
+    due = list(
+        Run.objects.filter(deadline__lte=now, deadline_swept_at__isnull=True)
+        .order_by("deadline")
+        .values_list("id", flat=True)[:batch_size]
+    )
+    return sum(run_sweep_deadline(run_id=run_id) for run_id in due)

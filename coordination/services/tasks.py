@@ -29,7 +29,7 @@ from coordination.services.groups import (
 )
 from coordination.services.locking import chain_refusal, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_attempts
-from coordination.states import TASK_HELD, TASK_TERMINAL, TASK_UNFINISHED, MailboxMode, RunState, TaskState
+from coordination.states import TASK_HELD, TASK_TERMINAL, TASK_UNFINISHED, MailboxMode, TaskState
 
 MAX_CLAIMS_PER_CALL = 100
 CASCADE_CHUNK = 2000
@@ -593,8 +593,12 @@ def _expire_member(task_id: uuid.UUID, now: datetime) -> int:
 
 
 def tasks_cancel_subtree(end: SubtreeEnd) -> None:
-    """Cancel every unfinished task of the subtree, running ones included, in id order."""
-    cause = "run_cancelled" if end.state == RunState.CANCELLED else "run_completed"
+    """End every unfinished task of the subtree, running ones included, in id order.
+
+    ``CANCELLED`` when the run was cancelled or completed, ``EXPIRED`` when its deadline passed.
+    """
+    final_state = TaskState.EXPIRED if end.by_deadline else TaskState.CANCELLED
+    event_type = "task.expired" if end.by_deadline else "task.cancelled"
     rows = list(
         Task.objects.filter(run_path__startswith=end.path_prefix, state__in=TASK_UNFINISHED)
         .order_by("id")
@@ -604,7 +608,7 @@ def tasks_cancel_subtree(end: SubtreeEnd) -> None:
     for start in range(0, len(rows), CASCADE_CHUNK):
         chunk = rows[start : start + CASCADE_CHUNK]
         Task.objects.filter(id__in=[row[0] for row in chunk]).update(
-            state=TaskState.CANCELLED,
+            state=final_state,
             finished_at=end.now,
             cancel_reason=end.reason,
             lease_expires_at=None,
@@ -614,11 +618,11 @@ def tasks_cancel_subtree(end: SubtreeEnd) -> None:
             [
                 Event(
                     project_id=project_id,
-                    type="task.cancelled",
+                    type=event_type,
                     run_id=run_id,
                     run_path=run_path,
                     subject_id=str(task_id),
-                    data={"reason": end.reason, "cause": cause},
+                    data={"reason": end.reason, "cause": end.cause},
                     created_at=end.now,
                 )
                 for task_id, project_id, run_id, run_path in chunk

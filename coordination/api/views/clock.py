@@ -1,0 +1,151 @@
+"""``/v1/barriers`` and ``/v1/timers``."""
+
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema
+from rest_framework.response import Response
+
+from coordination import exceptions, selectors
+from coordination.api import serializers as s
+from coordination.api.longpoll import long_poll
+from coordination.api.presenters import present_barrier, present_timer
+from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.services import barriers as barrier_services
+from coordination.services import timers as timer_services
+from coordination.states import BarrierState, Permission, TimerState
+
+
+class BarrierCollectionView(ApiView):
+    """Create a barrier."""
+
+    required_permissions = {"POST": Permission.RESOURCE_CONFIG}
+
+    @extend_schema(
+        operation_id="barriers_create", request=s.BarrierCreateIn, responses=with_errors({201: s.BarrierOut})
+    )
+    def post(self, request):
+        """Create a barrier under an active run."""
+        data = self.body(s.BarrierCreateIn)
+        run = selectors.run_get(self.visibility, data["runId"])
+        barrier = barrier_services.barrier_create(
+            project_id=self.project_id, run_id=run.id, target=data["target"], name=data["name"]
+        )
+        return Response(present_barrier(barrier), status=201, headers={"Location": f"/v1/barriers/{barrier.id}"})
+
+
+class BarrierDetailView(ApiView):
+    """A barrier's view."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ}
+
+    @extend_schema(operation_id="barriers_retrieve", responses=with_errors({200: s.BarrierOut}))
+    def get(self, request, barrier_id):
+        """Return the barrier in its current epoch."""
+        return Response(present_barrier(selectors.barrier_get(self.visibility, barrier_id)))
+
+
+class BarrierArriveView(ApiView):
+    """Arrive at a barrier."""
+
+    @extend_schema(
+        operation_id="barriers_arrive", request=s.BarrierArriveIn, responses=with_errors({200: s.BarrierOut})
+    )
+    def post(self, request, barrier_id):
+        """Record the key's arrival (idempotent per key within an epoch)."""
+        data = self.body(s.BarrierArriveIn)
+        barrier = selectors.barrier_get(self.visibility, barrier_id)
+        barrier = barrier_services.barrier_arrive(project_id=self.project_id, barrier_id=barrier.id, key=data["key"])
+        return Response(present_barrier(barrier))
+
+
+class BarrierNextEpochView(ApiView):
+    """Re-arm a released barrier."""
+
+    @extend_schema(operation_id="barriers_next_epoch", request=None, responses=with_errors({200: s.BarrierOut}))
+    def post(self, request, barrier_id):
+        """Move a released barrier to epoch + 1 with no arrivals."""
+        barrier = selectors.barrier_get(self.visibility, barrier_id)
+        barrier = barrier_services.barrier_next_epoch(project_id=self.project_id, barrier_id=barrier.id)
+        return Response(present_barrier(barrier))
+
+
+class BarrierWaitView(AsyncApiView):
+    """Long-poll a barrier's release."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ}
+
+    @extend_schema(operation_id="barriers_wait", parameters=[s.WaitQuery], responses=with_errors({200: s.BarrierOut}))
+    async def get(self, request, barrier_id):
+        """Answer once released (409 ``BARRIER_CANCELLED`` if cancelled), or the view after ``timeoutMs``."""
+        query = self.query(s.WaitQuery)
+        visibility = self.visibility
+        ref = selectors.parse_id(barrier_id, what="Barrier")
+        barrier = await long_poll(
+            lambda: selectors.barrier_get(visibility, ref),
+            done=lambda b: b.state != BarrierState.WAITING,
+            topics=[ref],
+            timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
+        )
+        if barrier.state == BarrierState.CANCELLED:
+            raise exceptions.BarrierCancelled(barrierId=str(barrier.id))
+        return Response(present_barrier(barrier))
+
+
+class TimerCollectionView(ApiView):
+    """Arm a timer."""
+
+    @extend_schema(operation_id="timers_create", request=s.TimerCreateIn, responses=with_errors({201: s.TimerOut}))
+    def post(self, request):
+        """Arm a timer at ``at`` or after ``afterSeconds`` (exactly one); a past ``at`` fires at once."""
+        data = self.body(s.TimerCreateIn)
+        run = selectors.run_get(self.visibility, data["runId"])
+        timer = timer_services.timer_create(
+            project_id=self.project_id, run_id=run.id, at=data["at"], after_seconds=data["afterSeconds"]
+        )
+        return Response(present_timer(timer), status=201, headers={"Location": f"/v1/timers/{timer.id}"})
+
+
+class TimerDetailView(ApiView):
+    """Read a timer."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ}
+
+    @extend_schema(operation_id="timers_retrieve", responses=with_errors({200: s.TimerOut}))
+    def get(self, request, timer_id):
+        """Return the timer."""
+        return Response(present_timer(selectors.timer_get(self.visibility, timer_id)))
+
+
+class TimerWaitView(AsyncApiView):
+    """Long-poll a timer's firing and acknowledge it in the same call."""
+
+    @extend_schema(
+        operation_id="timers_wait", parameters=[s.WaitQuery], request=None, responses=with_errors({200: s.TimerOut})
+    )
+    async def post(self, request, timer_id):
+        """Answer once fired, acknowledged (idempotent); the armed timer after ``timeoutMs``."""
+        query = self.query(s.WaitQuery)
+        visibility, project_id = self.visibility, self.project_id
+        ref = selectors.parse_id(timer_id, what="Timer")
+
+        def read():
+            timer = selectors.timer_get(visibility, ref)
+            return timer_services.timer_acknowledge(project_id=project_id, timer_id=timer.id)
+
+        timer = await long_poll(
+            read,
+            done=lambda t: t.state == TimerState.ACKNOWLEDGED,
+            topics=[ref],
+            timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
+            due_in_s=lambda t: (t.fire_at - timezone.now()).total_seconds(),
+        )
+        return Response(present_timer(timer))
+
+
+class TimerCancelView(ApiView):
+    """Disarm a timer."""
+
+    @extend_schema(operation_id="timers_cancel", request=None, responses=with_errors({200: s.TimerOut}))
+    def post(self, request, timer_id):
+        """Disarm an armed timer (409 ``TIMER_FIRED`` once it fired)."""
+        timer = selectors.timer_get(self.visibility, timer_id)
+        return Response(present_timer(timer_services.timer_cancel(project_id=self.project_id, timer_id=timer.id)))

@@ -1,0 +1,169 @@
+"""Durable timers: create, fire, acknowledge, cancel. The only writer of ``Timer.state``.
+
+Firing is idempotent: the Celery task dispatched for the due time and the sweep both call
+``timer_fire``/``timers_fire_due``, and whichever locks the row first fires it.
+"""
+
+import uuid
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.utils import timezone
+
+from coordination import exceptions
+from coordination.models import Event, Timer
+from coordination.services.cascade import SubtreeEnd
+from coordination.services.events import events_record_many
+from coordination.services.locking import run_chain_lock_active
+from coordination.states import TimerState
+
+MAX_DELAY_S = 10 * 365 * 24 * 3600
+
+
+def _event(timer: Timer, type: str, **data) -> Event:
+    return Event(
+        project_id=timer.project_id,
+        type=type,
+        run_id=timer.run_id,
+        run_path=timer.run_path,
+        subject_id=str(timer.id),
+        data=data,
+        created_at=timezone.now(),
+    )
+
+
+def _dispatch_on_commit(timer: Timer) -> None:
+    """Ask a worker to fire the timer at its due time, once the timer is committed.
+
+    The sweep is the safety net: a lost message (or no broker at all) only costs lateness.
+    """
+    from workers.dispatch import dispatch_timer
+
+    transaction.on_commit(lambda: dispatch_timer(timer.id, timer.fire_at))
+
+
+@transaction.atomic
+def timer_create(
+    *, project_id: uuid.UUID, run_id: uuid.UUID, at: datetime | None = None, after_seconds: float | None = None
+) -> Timer:
+    """Arm a timer at ``at`` or after ``after_seconds`` (exactly one); one in the past fires at once."""
+    if (at is None) == (after_seconds is None):
+        raise exceptions.ValidationFailed(
+            "Give exactly one of at and afterSeconds.", at="exactly one of at, afterSeconds"
+        )
+    if after_seconds is not None and not 0 <= after_seconds <= MAX_DELAY_S:
+        raise exceptions.ValidationFailed("Invalid delay.", afterSeconds=f"between 0 and {MAX_DELAY_S}")
+    chain = run_chain_lock_active(run_id, project_id=project_id)
+    run = chain[-1]
+    now = timezone.now()
+    fire_at = at if at is not None else now + timedelta(seconds=after_seconds)
+    timer = Timer.objects.create(
+        project_id=project_id,
+        run=run,
+        run_path=run.path,
+        run_deadline=min((r.deadline for r in chain if r.deadline is not None), default=None),
+        fire_at=fire_at,
+        created_at=now,
+    )
+    events_record_many([_event(timer, "timer.created", fireAt=fire_at.isoformat())])
+    if fire_at <= now:
+        _fire(timer, now)
+    else:
+        _dispatch_on_commit(timer)
+    return timer
+
+
+def _fire(timer: Timer, now: datetime) -> list[Event]:
+    """Fire a locked armed timer; a timer due after its run's deadline is cancelled instead."""
+    if timer.run_deadline is not None and timer.fire_at >= timer.run_deadline:
+        timer.state = TimerState.CANCELLED
+        timer.save(update_fields=["state"])
+        event = _event(timer, "timer.cancelled", cause="run_deadline")
+    else:
+        timer.state = TimerState.FIRED
+        timer.fired_at = now
+        timer.save(update_fields=["state", "fired_at"])
+        event = _event(timer, "timer.fired", fireAt=timer.fire_at.isoformat(), lateMs=_late_ms(timer, now))
+    events_record_many([event])
+    return [event]
+
+
+def _late_ms(timer: Timer, now: datetime) -> int:
+    return max(0, int((now - timer.fire_at).total_seconds() * 1000))
+
+
+@transaction.atomic
+def timer_fire(*, timer_id: uuid.UUID) -> Timer | None:
+    """Fire one timer if it is armed and due; return it (None if unknown). Idempotent."""
+    timer = Timer.objects.select_for_update().filter(id=timer_id).first()
+    if timer is None:
+        return None
+    now = timezone.now()
+    if timer.state == TimerState.ARMED and timer.fire_at <= now:
+        _fire(timer, now)
+    return timer
+
+
+@transaction.atomic
+def timers_fire_due(*, now: datetime | None = None, batch_size: int = 500) -> int:
+    """Fire armed timers that are due, one batch, skipping rows another sweeper holds."""
+    now = now or timezone.now()
+    due = list(
+        Timer.objects.filter(state=TimerState.ARMED, fire_at__lte=now)
+        .order_by("fire_at", "id")
+        .select_for_update(skip_locked=True)[:batch_size]
+    )
+    fire_time = timezone.now()
+    for timer in due:
+        _fire(timer, fire_time)
+    return len(due)
+
+
+@transaction.atomic
+def timer_acknowledge(*, project_id: uuid.UUID, timer_id: uuid.UUID) -> Timer:
+    """Acknowledge a fired timer (idempotent) and return it; fire it first if it is due.
+
+    An armed timer not yet due is returned unchanged; a cancelled one is ``INVALID_STATE``.
+    """
+    timer = Timer.objects.select_for_update().filter(id=timer_id, project_id=project_id).first()
+    if timer is None:
+        raise exceptions.NotFound("Timer not found.", timerId=str(timer_id))
+    now = timezone.now()
+    if timer.state == TimerState.ARMED and timer.fire_at <= now:
+        _fire(timer, now)
+    if timer.state == TimerState.CANCELLED:
+        raise exceptions.InvalidState("The timer was cancelled.", timerId=str(timer.id), state=timer.state)
+    if timer.state == TimerState.FIRED:
+        timer.state = TimerState.ACKNOWLEDGED
+        timer.acknowledged_at = now
+        timer.save(update_fields=["state", "acknowledged_at"])
+        events_record_many([_event(timer, "timer.acknowledged")])
+    return timer
+
+
+@transaction.atomic
+def timer_cancel(*, project_id: uuid.UUID, timer_id: uuid.UUID) -> Timer:
+    """Disarm an armed timer; ``TIMER_FIRED`` once it fired; a cancelled one is unchanged."""
+    timer = Timer.objects.select_for_update().filter(id=timer_id, project_id=project_id).first()
+    if timer is None:
+        raise exceptions.NotFound("Timer not found.", timerId=str(timer_id))
+    if timer.state in (TimerState.FIRED, TimerState.ACKNOWLEDGED):
+        raise exceptions.TimerFired(timerId=str(timer.id), firedAt=timer.fired_at.isoformat())
+    if timer.state == TimerState.ARMED:
+        timer.state = TimerState.CANCELLED
+        timer.save(update_fields=["state"])
+        events_record_many([_event(timer, "timer.cancelled", cause="cancel_requested")])
+    return timer
+
+
+def timers_cancel_subtree(end: SubtreeEnd) -> None:
+    """Cancel the subtree's armed timers."""
+    timers = list(
+        Timer.objects.filter(run_path__startswith=end.path_prefix, state=TimerState.ARMED)
+        .order_by("id")
+        .select_for_update()
+    )
+    if not timers:
+        return
+    Timer.objects.filter(id__in=[t.id for t in timers]).update(state=TimerState.CANCELLED)
+    events_record_many([_event(t, "timer.cancelled", cause=end.cause, reason=end.reason) for t in timers])
