@@ -1,0 +1,114 @@
+"""Start real Celery worker and beat processes against the test database and a real broker."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_BROKER_URL = os.environ.get("RUNSTATE_TEST_WORKER_BROKER_URL", "redis://127.0.0.1:6379/14")
+
+
+def test_database_url() -> str:
+    """Return a DATABASE_URL for the test database the suite is using."""
+    s = connection.settings_dict
+    auth = s["USER"] or ""
+    if s.get("PASSWORD"):
+        auth += f":{s['PASSWORD']}"
+    host = s["HOST"] or "127.0.0.1"
+    port = s["PORT"] or 5432
+    return f"postgres://{auth}@{host}:{port}/{s['NAME']}"
+
+
+def child_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=test_database_url(),
+        CELERY_BROKER_URL=TEST_BROKER_URL,
+        DJANGO_SETTINGS_MODULE="runstate_project.settings",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def purge_broker() -> None:
+    """Drop messages left in the test broker by earlier runs."""
+    import redis
+
+    redis.Redis.from_url(TEST_BROKER_URL).flushdb()
+
+
+@contextmanager
+def processes(*commands, log_dir: Path):
+    """Run each command (a list) as a child process group; stop them all on exit."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children = []
+    try:
+        for index, command in enumerate(commands):
+            log = open(log_dir / f"proc{index}.log", "wb")  # noqa: SIM115 - closed below
+            child = subprocess.Popen(
+                command, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            children.append((child, log))
+        yield [child for child, _ in children]
+    finally:
+        for child, _ in children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for child, log in children:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+            log.close()
+
+
+def worker_command(concurrency: int = 4) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "runstate_project",
+        "worker",
+        "--pool=threads",
+        f"--concurrency={concurrency}",
+        "--loglevel=INFO",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+
+
+def beat_command(schedule_dir: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "runstate_project",
+        "beat",
+        "--loglevel=INFO",
+        "--scheduler",
+        "django_celery_beat.schedulers:DatabaseScheduler",
+        "--pidfile",
+        str(schedule_dir / "beat.pid"),
+    ]
+
+
+def wait_until(predicate, *, timeout_s: float = 30, interval_s: float = 0.1, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")
