@@ -125,7 +125,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["coordination.api.auth.ApiKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["coordination.api.auth.HasKeyPermission"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["coordination.api.parsers.SafeJSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "coordination.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,

@@ -10,5 +10,6 @@ urlpatterns = [
     path("v1/", include("coordination.api.urls")),
 ]
 
+handler400 = "coordination.api.errors.json_bad_request"
 handler404 = "coordination.api.errors.json_not_found"
 handler500 = "coordination.api.errors.json_server_error"

@@ -2,6 +2,8 @@
 
 import logging
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.db import DatabaseError, InterfaceError, OperationalError, transaction
 from django.http import Http404, JsonResponse
 from rest_framework import exceptions as drf
@@ -50,6 +52,12 @@ def _flatten(detail, prefix: str = "") -> dict[str, str]:
 
 def exception_handler(exc, context):
     """Map domain, DRF, Django and database errors to the envelope; roll back the request."""
+    if isinstance(exc, RequestDataTooBig):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return Response(
+            envelope("VALIDATION_ERROR", f"The request body is larger than {limit} bytes.", {"body": "too large"}),
+            status=413,
+        )
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     if isinstance(exc, exceptions.CoordinationError):
@@ -92,3 +100,8 @@ def json_not_found(request, exception=None):
 def json_server_error(request):
     """Answer an unhandled error with the error envelope (details go to the log only)."""
     return JsonResponse(envelope("INTERNAL", "Internal error."), status=500)
+
+
+def json_bad_request(request, exception=None):
+    """Answer a request Django itself refused (e.g. a suspicious one) with the error envelope."""
+    return JsonResponse(envelope("VALIDATION_ERROR", "Bad request."), status=400)

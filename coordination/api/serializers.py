@@ -1,5 +1,7 @@
 """Request validation and response shapes (the latter document the OpenAPI schema)."""
 
+import json
+
 from django.conf import settings
 from rest_framework import serializers
 
@@ -31,6 +33,39 @@ class StrictSerializer(serializers.Serializer):
             if unknown:
                 raise serializers.ValidationError({name: "Unknown field." for name in unknown})
         return super().to_internal_value(data)
+
+
+MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_PAYLOAD_DEPTH = 32
+
+
+class PayloadField(serializers.JSONField):
+    """A JSON payload stored as given: bounded in size and depth, and free of NUL characters.
+
+    PostgreSQL's ``jsonb`` refuses the NUL character; refusing it here makes that a 400 on every
+    database instead of a server error on one.
+    """
+
+    def to_internal_value(self, data):  # noqa: D102
+        value = super().to_internal_value(data)
+        self._check(value, depth=0)
+        if len(json.dumps(value, separators=(",", ":"))) > MAX_PAYLOAD_BYTES:
+            raise serializers.ValidationError(f"At most {MAX_PAYLOAD_BYTES} bytes of JSON.")
+        return value
+
+    def _check(self, value, depth: int) -> None:
+        if depth > MAX_PAYLOAD_DEPTH:
+            raise serializers.ValidationError(f"JSON nested deeper than {MAX_PAYLOAD_DEPTH} levels.")
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise serializers.ValidationError("Null characters are not allowed.")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                self._check(key, depth + 1)
+                self._check(item, depth + 1)
+        elif isinstance(value, list):
+            for item in value:
+                self._check(item, depth + 1)
 
 
 class ListQuery(serializers.Serializer):
@@ -181,7 +216,7 @@ class TaskSubmitIn(StrictSerializer):
     """Body of ``POST /v1/mailboxes/{name}/tasks``."""
 
     runId = serializers.CharField(max_length=100)
-    input = serializers.JSONField(required=False, default=dict)
+    input = PayloadField(required=False, default=dict)
     key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
     priority = serializers.IntegerField(required=False, min_value=-1_000_000, max_value=1_000_000, default=0)
     maxAttempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
@@ -260,13 +295,13 @@ class RenewIn(StrictSerializer):
 class CompleteIn(StrictSerializer):
     """Body of ``POST /v1/claims/{id}/complete``."""
 
-    outcome = serializers.JSONField(required=False, allow_null=True, default=None)
+    outcome = PayloadField(required=False, allow_null=True, default=None)
 
 
 class FailIn(StrictSerializer):
     """Body of ``POST /v1/claims/{id}/fail``."""
 
-    error = serializers.JSONField(required=False, allow_null=True, default=None)
+    error = PayloadField(required=False, allow_null=True, default=None)
     retry = serializers.BooleanField(required=False, default=False)
     retryDelayMs = serializers.IntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
 
@@ -278,7 +313,7 @@ class MessageSendIn(StrictSerializer):
     """Body of ``POST /v1/mailboxes/{name}/messages``."""
 
     runId = serializers.CharField(max_length=100)
-    body = serializers.JSONField()
+    body = PayloadField()
     key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
 
 
@@ -389,7 +424,7 @@ class GroupOut(serializers.Serializer):
 class GroupMemberSubmitIn(StrictSerializer):
     """Body of ``POST /v1/groups/{id}/members``."""
 
-    input = serializers.JSONField(required=False, default=dict)
+    input = PayloadField(required=False, default=dict)
     key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
 
 

@@ -1,0 +1,82 @@
+"""Hostile or malformed input answers a 4xx with an error code, never a 500."""
+
+import pytest
+
+pytestmark = pytest.mark.django_db
+
+
+def code(response):
+    return response.json()["error"]["code"]
+
+
+def test_oversized_body_is_413_with_an_envelope(api):
+    response = api.post("/v1/runs", data='{"name": "' + "x" * 3_000_000 + '"}', content_type="application/json")
+    assert response.status_code == 413 and code(response) == "VALIDATION_ERROR"
+
+
+def test_deeply_nested_json_is_400(api):
+    response = api.post("/v1/runs", data="[" * 100_000 + "]" * 100_000, content_type="application/json")
+    assert response.status_code == 400 and code(response) == "VALIDATION_ERROR"
+
+
+def test_wrong_content_type_is_a_4xx_with_a_code(api):
+    response = api.post("/v1/runs", data="{}", content_type="text/plain")
+    assert response.status_code == 415 and code(response) == "VALIDATION_ERROR"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"childLimit": 10**30},
+        {"childLimit": -(10**30)},
+        {"name": "\u0000\ud7ff😀"},
+        {"deadline": "9999-99-99T99:99:99Z"},
+        {"parentId": "../../etc/passwd"},
+        {"parentId": {"nested": ["object"]}},
+        {"name": ["not", "a", "string"]},
+    ],
+)
+def test_odd_values_are_4xx(api, body):
+    response = api.post("/v1/runs", body, format="json")
+    assert 400 <= response.status_code < 500, response.content
+    assert code(response) in ("VALIDATION_ERROR", "NOT_FOUND")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/runs/%00", "/v1/tasks/' OR 1=1 --", "/v1/groups/" + "a" * 5000, "/v1/claims/c_" + "f" * 32 + "_x/complete"],
+)
+def test_ids_of_the_wrong_shape_are_404(api, path):
+    response = api.post(path, {}, format="json") if path.endswith("complete") else api.get(path)
+    assert response.status_code == 404 and code(response) == "NOT_FOUND"
+
+
+@pytest.fixture
+def work(api):
+    api.put("/v1/mailboxes/jobs", {"mode": "WORK"}, format="json")
+    return api.post("/v1/runs", {}, format="json").json()
+
+
+def nested(depth):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("payload", [{"a": "x\u0000y"}, {"a\u0000": 1}, ["\u0000"], {"deep": nested(40)}])
+def test_payloads_that_the_database_or_the_limits_refuse_are_400(api, work, payload):
+    response = api.post("/v1/mailboxes/jobs/tasks", {"runId": work["id"], "input": payload}, format="json")
+    assert response.status_code == 400 and code(response) == "VALIDATION_ERROR"
+    assert "input" in response.json()["error"]["details"]
+
+
+def test_a_payload_over_256_kib_is_400(api, work):
+    response = api.post("/v1/mailboxes/jobs/tasks", {"runId": work["id"], "input": {"x": "y" * 300_000}}, format="json")
+    assert response.status_code == 400 and "input" in response.json()["error"]["details"]
+
+
+def test_unicode_payloads_round_trip(api, work):
+    payload = {"ключ": "значение 😀", "emoji": ["🧪", "\u2028"], "n": -(2**53)}
+    response = api.post("/v1/mailboxes/jobs/tasks", {"runId": work["id"], "input": payload}, format="json")
+    assert response.status_code == 201 and response.json()["input"] == payload
