@@ -1,0 +1,194 @@
+"""Every operation of the schema, called with project A's key on project B's ids: 404, never 403 or 200.
+
+The matrix is checked against /v1/schema, so a new endpoint fails this test until it is
+listed here (in ``CASES`` or, with a reason, in ``NO_FOREIGN_IDS``).
+"""
+
+import pytest
+
+from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
+from coordination.services.barriers import barrier_create
+from coordination.services.groups import group_create, group_submit
+from coordination.services.mailboxes import mailbox_ensure
+from coordination.services.messages import message_receive, message_send
+from coordination.services.runs import run_create
+from coordination.services.tasks import task_claim, task_submit
+from coordination.services.timers import timer_create
+from tests.conftest import make_client
+
+pytestmark = pytest.mark.django_db
+
+# Operations that take no id of another project's object, and why they cannot leak.
+NO_FOREIGN_IDS = {
+    "healthz": "no data",
+    "readyz": "no data",
+    "metrics": "aggregate counters only, no ids",
+    "mailboxes_ensure": "mailbox names are per project: ensuring B's name creates A's own mailbox",
+}
+
+
+@pytest.fixture
+def b(other_project):
+    """Project B's objects: a run tree, mailboxes, a task held under a claim, a delivery, a group..."""
+    pid = other_project.id
+    run = run_create(project_id=pid)
+    jobs, _ = mailbox_ensure(project_id=pid, name="jobs", mode="WORK")
+    queue, _ = mailbox_ensure(project_id=pid, name="q", mode="QUEUE")
+    mailbox_ensure(project_id=pid, name="b-only", mode="WORK")
+    task_submit(project_id=pid, mailbox=jobs, run_id=run.id, input={"b": 1})
+    (claim,) = task_claim(project_id=pid, mailbox=jobs, run_id=run.id)
+    message_send(project_id=pid, mailbox=queue, run_id=run.id, body={"b": 1})
+    (delivery,) = message_receive(project_id=pid, mailbox=queue, run_id=run.id)
+    group = group_create(project_id=pid, mailbox_name="jobs", condition="ALL_TERMINAL", parent_scope_id=run.id)
+    member, _, _ = group_submit(project_id=pid, group_id=group.id, input={})
+    return {
+        "run": str(run.id),
+        "task": str(claim.task.id),
+        "claim": claim.claim_id,
+        "message": str(delivery.message.id),
+        "delivery": delivery.delivery_id,
+        "group": str(group.id),
+        "member": str(member.id),
+        "barrier": str(barrier_create(project_id=pid, run_id=run.id, target=2).id),
+        "timer": str(timer_create(project_id=pid, run_id=run.id, after_seconds=600).id),
+    }
+
+
+@pytest.fixture
+def a(project, api):
+    """Project A's own mailboxes and group, so that the foreign id is the only thing wrong."""
+    mailbox_ensure(project_id=project.id, name="jobs", mode="WORK")
+    mailbox_ensure(project_id=project.id, name="q", mode="QUEUE")
+    run = run_create(project_id=project.id)
+    group = group_create(project_id=project.id, mailbox_name="jobs", condition="ALL_TERMINAL", parent_scope_id=run.id)
+    return {"group": str(group.id)}
+
+
+def cases(a, b):
+    """(operationId, method, path, body) with B's ids in every id slot."""
+    return [
+        ("barriers_create", "post", "/v1/barriers", {"runId": b["run"], "target": 1}),
+        ("barriers_retrieve", "get", f"/v1/barriers/{b['barrier']}", None),
+        ("barriers_arrive", "post", f"/v1/barriers/{b['barrier']}/arrive", {"key": "k"}),
+        ("barriers_next_epoch", "post", f"/v1/barriers/{b['barrier']}/nextEpoch", {}),
+        ("barriers_wait", "get", f"/v1/barriers/{b['barrier']}/wait?timeoutMs=0", None),
+        ("claims_complete", "post", f"/v1/claims/{b['claim']}/complete", {}),
+        ("claims_fail", "post", f"/v1/claims/{b['claim']}/fail", {}),
+        ("claims_release", "post", f"/v1/claims/{b['claim']}/release", {}),
+        ("claims_renew", "post", f"/v1/claims/{b['claim']}/renew", {}),
+        ("deliveries_complete", "post", f"/v1/deliveries/{b['delivery']}/complete", {}),
+        ("deliveries_reject", "post", f"/v1/deliveries/{b['delivery']}/reject", {}),
+        ("deliveries_retry", "post", f"/v1/deliveries/{b['delivery']}/retry", {}),
+        ("events_list", "get", f"/v1/events?runId={b['run']}", None),
+        ("events_stream", "get", f"/v1/events/stream?runId={b['run']}", None),
+        (
+            "groups_create",
+            "post",
+            "/v1/groups",
+            {"mailbox": "jobs", "condition": "ALL_TERMINAL", "parentScopeId": b["run"]},
+        ),
+        ("groups_retrieve", "get", f"/v1/groups/{b['group']}", None),
+        ("groups_close", "post", f"/v1/groups/{b['group']}/close", {}),
+        ("groups_seal", "post", f"/v1/groups/{b['group']}/seal", {}),
+        ("groups_join", "post", f"/v1/groups/{a['group']}/join", {"taskId": b["task"]}),
+        ("groups_members_submit", "post", f"/v1/groups/{b['group']}/members", {"input": {}}),
+        ("groups_members_accept", "post", f"/v1/groups/{b['group']}/members/{b['member']}/accept", {}),
+        ("groups_members_reject", "post", f"/v1/groups/{b['group']}/members/{b['member']}/reject", {}),
+        ("groups_wait", "get", f"/v1/groups/{b['group']}/wait?timeoutMs=0", None),
+        ("mailboxes_retrieve", "get", "/v1/mailboxes/b-only", None),
+        ("claims_create", "post", "/v1/mailboxes/jobs/claims", {"runId": b["run"]}),
+        ("deliveries_receive", "post", "/v1/mailboxes/q/deliveries", {"runId": b["run"]}),
+        ("messages_send", "post", "/v1/mailboxes/q/messages", {"runId": b["run"], "body": {}}),
+        ("tasks_submit", "post", "/v1/mailboxes/jobs/tasks", {"runId": b["run"], "input": {}}),
+        ("messages_retrieve", "get", f"/v1/messages/{b['message']}", None),
+        ("runs_list", "get", f"/v1/runs?parentId={b['run']}", None),
+        ("runs_create", "post", "/v1/runs", {"parentId": b["run"]}),
+        ("runs_retrieve", "get", f"/v1/runs/{b['run']}", None),
+        ("runs_cancel", "post", f"/v1/runs/{b['run']}/cancel", {}),
+        ("runs_children_create", "post", f"/v1/runs/{b['run']}/children", {}),
+        ("runs_complete", "post", f"/v1/runs/{b['run']}/complete", {}),
+        ("tasks_retrieve", "get", f"/v1/tasks/{b['task']}", None),
+        ("tasks_cancel", "post", f"/v1/tasks/{b['task']}/cancel", {}),
+        ("tasks_result", "get", f"/v1/tasks/{b['task']}/result?timeoutMs=0", None),
+        ("timers_create", "post", "/v1/timers", {"runId": b["run"], "afterSeconds": 1}),
+        ("timers_retrieve", "get", f"/v1/timers/{b['timer']}", None),
+        ("timers_cancel", "post", f"/v1/timers/{b['timer']}/cancel", {}),
+        ("timers_wait", "post", f"/v1/timers/{b['timer']}/wait?timeoutMs=0", {}),
+    ]
+
+
+def schema_operations(client):
+    schema = client.get("/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    return {op["operationId"] for ops in schema["paths"].values() for op in ops.values()}
+
+
+def snapshot(project_id):
+    """The state of everything project B owns."""
+    return {
+        model.__name__: sorted(
+            (str(pk), state) for pk, state in model.objects.filter(project_id=project_id).values_list("id", field)
+        )
+        for model, field in [
+            (Run, "stored_state"),
+            (Task, "state"),
+            (Message, "state"),
+            (TaskGroup, "state"),
+            (Barrier, "state"),
+            (Timer, "state"),
+        ]
+    }
+
+
+def test_every_operation_answers_404_for_another_projects_ids(api, a, b, other_project):
+    matrix = cases(a, b)
+    covered = {operation for operation, *_ in matrix}
+    assert covered | set(NO_FOREIGN_IDS) == schema_operations(api), "the isolation matrix is out of date"
+    before = snapshot(other_project.id)
+    for operation, method, path, body in matrix:
+        response = getattr(api, method)(path, body, format="json") if body is not None else api.get(path)
+        assert response.status_code == 404, (operation, response.status_code, response.content[:300])
+        assert response.json()["error"]["code"] == "NOT_FOUND", operation
+    assert snapshot(other_project.id) == before, "a refused call changed another project's objects"
+
+
+def test_lists_never_show_another_projects_objects(api, a, b):
+    listed = {run["id"] for run in api.get("/v1/runs?limit=1000").json()["results"]}
+    assert b["run"] not in listed
+    events = api.get("/v1/events?limit=1000").json()["events"]
+    foreign = set(b.values())
+    assert not [e for e in events if e["subjectId"] in foreign or e["runId"] in foreign]
+
+
+def test_a_key_bound_to_a_run_gets_404_outside_its_subtree(project, a, b):
+    """The same matrix inside one project: a key bound to a sibling run sees none of it."""
+    pid = project.id
+    parent = run_create(project_id=pid)
+    mine = run_create(project_id=pid, parent_id=parent.id)
+    theirs = run_create(project_id=pid, parent_id=parent.id)
+    jobs = mailbox_ensure(project_id=pid, name="jobs", mode="WORK")[0]
+    queue = mailbox_ensure(project_id=pid, name="q", mode="QUEUE")[0]
+    task_submit(project_id=pid, mailbox=jobs, run_id=theirs.id, input={})
+    (claim,) = task_claim(project_id=pid, mailbox=jobs, run_id=theirs.id)
+    message_send(project_id=pid, mailbox=queue, run_id=theirs.id, body={})
+    (delivery,) = message_receive(project_id=pid, mailbox=queue, run_id=theirs.id)
+    group = group_create(project_id=pid, mailbox_name="jobs", condition="ALL_TERMINAL", parent_scope_id=theirs.id)
+    member, _, _ = group_submit(project_id=pid, group_id=group.id, input={})
+    own_group = group_create(project_id=pid, mailbox_name="jobs", condition="ALL_TERMINAL", parent_scope_id=mine.id)
+    outside = {
+        "run": str(theirs.id),
+        "task": str(claim.task.id),
+        "claim": claim.claim_id,
+        "message": str(delivery.message.id),
+        "delivery": delivery.delivery_id,
+        "group": str(group.id),
+        "member": str(member.id),
+        "barrier": str(barrier_create(project_id=pid, run_id=theirs.id, target=2).id),
+        "timer": str(timer_create(project_id=pid, run_id=theirs.id, after_seconds=600).id),
+    }
+    bound = make_client(project, run_id=mine.id)
+    skip = {"mailboxes_retrieve"}  # mailboxes belong to the project, not to a run
+    for operation, method, path, body in cases({"group": str(own_group.id)}, outside):
+        if operation in skip:
+            continue
+        response = getattr(bound, method)(path, body, format="json") if body is not None else bound.get(path)
+        assert response.status_code == 404, (operation, response.status_code, response.content[:300])
