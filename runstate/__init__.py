@@ -1,0 +1,105 @@
+"""runstate's Python SDK: async and sync clients over the HTTP API, and a worker loop.
+
+    from runstate import AsyncRunstate
+
+    rs = AsyncRunstate()  # RUNSTATE_URL, RUNSTATE_API_KEY
+    await rs.mailboxes.ensure("reviews", mode="WORK")
+    run = await rs.scopes.create()
+
+``Runstate`` is the sync twin with the same surface. Errors raised by either are the
+classes below, all subclasses of ``RunstateError``. This package imports nothing from Django.
+"""
+
+from runstate._async.client import AsyncEvents, AsyncMailboxes, AsyncRunstate
+from runstate._async.clock import AsyncBarrier, AsyncBarriers, AsyncTimer, AsyncTimers
+from runstate._async.consume import AsyncHandler, AsyncWorker
+from runstate._async.groups import AsyncGroup, AsyncGroups
+from runstate._async.runs import AsyncScope, AsyncScopes
+from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
+from runstate._config import SDK_VERSION, ClientConfig, JsonDict
+from runstate._errors import (
+    AuthenticationError,
+    ConflictError,
+    DeadlineExceededError,
+    LeaseLostError,
+    NotFoundError,
+    PermissionDeniedError,
+    RateLimitedError,
+    RunstateError,
+    ScopeCancelledError,
+    ScopeCompletedError,
+    ScopeInactiveError,
+    ServerError,
+    ServiceUnavailableError,
+    TransportError,
+    ValidationError,
+)
+from runstate._sync.client import Events, Mailboxes, Runstate
+from runstate._sync.clock import Barrier, Barriers, Timer, Timers
+from runstate._sync.consume import Handler, Worker
+from runstate._sync.groups import Group, Groups
+from runstate._sync.runs import Scope, Scopes
+from runstate._sync.work import Claim, Delivery, Messages, Tasks, Ticket
+from runstate._worker import AsyncTaskContext, ConsumeSummary, TaskContext
+
+__version__ = SDK_VERSION
+
+__all__ = [
+    "AsyncBarrier",
+    "AsyncBarriers",
+    "AsyncClaim",
+    "AsyncDelivery",
+    "AsyncEvents",
+    "AsyncGroup",
+    "AsyncGroups",
+    "AsyncHandler",
+    "AsyncMailboxes",
+    "AsyncMessages",
+    "AsyncRunstate",
+    "AsyncScope",
+    "AsyncScopes",
+    "AsyncTaskContext",
+    "AsyncTasks",
+    "AsyncTicket",
+    "AsyncTimer",
+    "AsyncTimers",
+    "AsyncWorker",
+    "AuthenticationError",
+    "Barrier",
+    "Barriers",
+    "Claim",
+    "ClientConfig",
+    "ConflictError",
+    "ConsumeSummary",
+    "DeadlineExceededError",
+    "Delivery",
+    "Events",
+    "Group",
+    "Groups",
+    "Handler",
+    "JsonDict",
+    "LeaseLostError",
+    "Mailboxes",
+    "Messages",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "RateLimitedError",
+    "Runstate",
+    "RunstateError",
+    "Scope",
+    "ScopeCancelledError",
+    "ScopeCompletedError",
+    "ScopeInactiveError",
+    "Scopes",
+    "ServerError",
+    "ServiceUnavailableError",
+    "TaskContext",
+    "Tasks",
+    "Ticket",
+    "Timer",
+    "Timers",
+    "TransportError",
+    "ValidationError",
+    "Worker",
+    "__version__",
+]

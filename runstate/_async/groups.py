@@ -1,0 +1,122 @@
+"""Task groups: ``run.groups.create`` / ``by_id`` and the group handle."""
+
+from datetime import datetime
+from typing import Any
+
+from runstate._async.http import AsyncHttp
+from runstate._async.work import AsyncTicket
+from runstate._config import JsonDict, compact, segment, wire_time
+
+
+class AsyncGroup:
+    """A handle on a task group; ``data`` is the group as last seen (``None`` until loaded)."""
+
+    def __init__(self, http: AsyncHttp, group_id: str, data: JsonDict | None = None) -> None:
+        self._http = http
+        self.id = group_id
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id}>"
+
+    @property
+    def _path(self) -> str:
+        return f"/groups/{segment(self.id)}"
+
+    async def status(self) -> JsonDict:
+        """Return the group with every member (``scopeId`` is the run its workers attach to)."""
+        self.data = await self._http.request("GET", self._path, idempotent=True)
+        return self.data
+
+    async def submit(self, input: Any = None, *, key: str | None = None) -> AsyncTicket:
+        """Add a member task and return its ticket (``ticket.data["groupState"]`` tells if it closed the group).
+
+        With ``key`` the submit is idempotent (and retried); without one it is sent once.
+        """
+        body = compact(key=key) | {"input": {} if input is None else input}
+        task: JsonDict = await self._http.request(
+            "POST", f"{self._path}/members", idempotent=key is not None, json=body
+        )
+        return AsyncTicket(self._http, task["id"], task)
+
+    async def join_task(self, task_id: str) -> JsonDict:
+        """Add an existing task of the same mailbox while the group is open; answer the task and ``groupState``."""
+        task: JsonDict = await self._http.request(
+            "POST", f"{self._path}/join", idempotent=True, json={"taskId": task_id}
+        )
+        return task
+
+    async def close(self) -> JsonDict:
+        """Close the group to new members and evaluate it: ``{state, outcome, outcomeReason}`` (idempotent)."""
+        decision: JsonDict = await self._http.request("POST", f"{self._path}/close", idempotent=True)
+        return decision
+
+    async def seal(self) -> JsonDict:
+        """Close the group like ``close()``, but ``ConflictError`` ``GROUP_FINALIZED`` on a finalized group."""
+        decision: JsonDict = await self._http.request("POST", f"{self._path}/seal", idempotent=True)
+        return decision
+
+    async def accept(self, task_id: str) -> JsonDict:
+        """Accept a succeeded member: ``{taskId, verdict, late, groupState, outcome, outcomeReason}``."""
+        verdict: JsonDict = await self._http.request(
+            "POST", f"{self._path}/members/{segment(task_id)}/accept", idempotent=True
+        )
+        return verdict
+
+    async def reject(self, task_id: str) -> JsonDict:
+        """Reject a finished member: ``{taskId, verdict, late, groupState, outcome, outcomeReason}``."""
+        verdict: JsonDict = await self._http.request(
+            "POST", f"{self._path}/members/{segment(task_id)}/reject", idempotent=True
+        )
+        return verdict
+
+    async def wait(self, timeout_ms: int | None = 60_000) -> JsonDict:
+        """Wait until the group is ``FINALIZED`` and return it; ``TimeoutError`` after ``timeout_ms``."""
+        self.data = await self._http.wait(
+            "GET",
+            f"{self._path}/wait",
+            done=lambda group: group.get("state") == "FINALIZED",
+            timeout_ms=timeout_ms,
+            what=f"Group {self.id}",
+        )
+        return self.data
+
+
+class AsyncGroups:
+    """``run.groups`` / ``rs.groups``: create groups and re-attach to them."""
+
+    def __init__(self, http: AsyncHttp) -> None:
+        self._http = http
+
+    def by_id(self, group_id: str) -> AsyncGroup:
+        """Return a handle on the group (no request)."""
+        return AsyncGroup(self._http, group_id)
+
+    async def create(
+        self,
+        *,
+        mailbox: str,
+        condition: str,
+        threshold: int | None = None,
+        expected_members: int | None = None,
+        deadline: datetime | str | None = None,
+        parent_scope_id: str | None = None,
+        name: str | None = None,
+    ) -> AsyncGroup:
+        """Create a group delivering its members through the WORK ``mailbox``.
+
+        ``condition`` is ``FIRST_ACCEPTED``, ``N_ACCEPTED`` (with ``threshold``) or
+        ``ALL_TERMINAL``. The group's own run (the gate) is a child of ``parent_scope_id``
+        when given, else a root run. Never retried (two creates make two groups).
+        """
+        body = compact(
+            mailbox=mailbox,
+            condition=condition,
+            threshold=threshold,
+            expectedMembers=expected_members,
+            deadline=wire_time(deadline),
+            parentScopeId=parent_scope_id,
+            name=name,
+        )
+        group: JsonDict = await self._http.request("POST", "/groups", idempotent=False, json=body)
+        return AsyncGroup(self._http, group["id"], group)

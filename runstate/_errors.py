@@ -1,0 +1,183 @@
+"""The exception tree of the SDK and the mapping from an HTTP error answer to it.
+
+Every error the service answers carries ``{"error": {"code", "message", "details"}}``;
+the status picks the class and, for a 409, the ``code`` picks the subclass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class RunstateError(Exception):
+    """Base of every error raised by the SDK.
+
+    ``status_code`` is the HTTP status (``None`` when no answer arrived), ``code`` the
+    service's stable error code, ``details`` the error's details (per field for
+    ``VALIDATION_ERROR``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "ERROR",
+        status_code: int | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.status_code = status_code
+        self.details: dict[str, Any] = details or {}
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}" if self.code else self.message
+
+
+class TransportError(RunstateError):
+    """No answer arrived: the connection failed or timed out (after retries, when allowed)."""
+
+
+class ValidationError(RunstateError):
+    """400 ``VALIDATION_ERROR``: the request is malformed (``details`` names the fields)."""
+
+
+class AuthenticationError(RunstateError):
+    """401 ``UNAUTHENTICATED``: no key, or an invalid, revoked or expired key."""
+
+
+class PermissionDeniedError(RunstateError):
+    """403 ``PERMISSION_DENIED``: the key lacks the permission for this operation."""
+
+
+class NotFoundError(RunstateError):
+    """404 ``NOT_FOUND``: unknown, or another project's (or outside a bound key's run)."""
+
+
+class ConflictError(RunstateError):
+    """409: the request is well formed but the object's state refuses it (see ``code``)."""
+
+
+class ScopeInactiveError(ConflictError):
+    """409: the run (or an ancestor) refuses new work: cancelled, completed or past its deadline."""
+
+
+class ScopeCancelledError(ScopeInactiveError):
+    """409 ``SCOPE_CANCELLED``: the run or an ancestor is cancelled."""
+
+
+class ScopeCompletedError(ScopeInactiveError):
+    """409 ``SCOPE_COMPLETED``: the run or an ancestor is completed."""
+
+
+class DeadlineExceededError(ScopeInactiveError):
+    """409 ``DEADLINE_EXCEEDED``: the run or an ancestor is past its deadline."""
+
+
+class LeaseLostError(ConflictError):
+    """409 ``LEASE_LOST``: the claim or delivery no longer holds its task or message."""
+
+
+class RateLimitedError(RunstateError):
+    """429 ``RATE_LIMITED``; ``retry_after`` is the server's hint in seconds, if any."""
+
+    retry_after: float | None = None
+
+
+class ServiceUnavailableError(RunstateError):
+    """503 ``SERVICE_UNAVAILABLE``: a dependency of the service (the database) is down."""
+
+
+class ServerError(RunstateError):
+    """Any other 5xx answer (``INTERNAL``, or a proxy's 502/504)."""
+
+
+# The codes DESIGN.md lists under 409, each with the class that represents it.
+CONFLICT_CLASSES: dict[str, type[ConflictError]] = {
+    "SCOPE_CANCELLED": ScopeCancelledError,
+    "SCOPE_COMPLETED": ScopeCompletedError,
+    "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "LEASE_LOST": LeaseLostError,
+    "CHILD_LIMIT_REACHED": ConflictError,
+    "KEY_CONFLICT": ConflictError,
+    "MAILBOX_MODE_CONFLICT": ConflictError,
+    "GROUP_CLOSED": ConflictError,
+    "GROUP_FINALIZED": ConflictError,
+    "GROUP_FULL": ConflictError,
+    "TASK_NOT_SUCCEEDED": ConflictError,
+    "TASK_NOT_FINISHED": ConflictError,
+    "VERDICT_CONFLICT": ConflictError,
+    "BARRIER_RELEASED": ConflictError,
+    "BARRIER_CANCELLED": ConflictError,
+    "BARRIER_NOT_RELEASED": ConflictError,
+    "TIMER_FIRED": ConflictError,
+    "INVALID_STATE": ConflictError,
+}
+
+# The other codes name their class whatever the status (a 413 is a ``VALIDATION_ERROR`` too).
+CODE_CLASSES: dict[str, type[RunstateError]] = {
+    "VALIDATION_ERROR": ValidationError,
+    "UNAUTHENTICATED": AuthenticationError,
+    "PERMISSION_DENIED": PermissionDeniedError,
+    "NOT_FOUND": NotFoundError,
+    "RATE_LIMITED": RateLimitedError,
+    "SERVICE_UNAVAILABLE": ServiceUnavailableError,
+}
+
+STATUS_CLASSES: dict[int, type[RunstateError]] = {
+    400: ValidationError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    409: ConflictError,
+    429: RateLimitedError,
+    503: ServiceUnavailableError,
+}
+
+
+def retry_after_seconds(response: httpx.Response) -> float | None:
+    """Return the ``Retry-After`` header in seconds, when it is a number."""
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def error_from_response(response: httpx.Response) -> RunstateError:
+    """Build the exception that represents an error answer (status >= 400).
+
+    A 409 picks its class by code (``ConflictError`` for a code it does not know); any other
+    answer by its code when the code is known, else by its status.
+    """
+    status = response.status_code
+    code, message, details = f"HTTP_{status}", response.reason_phrase or f"HTTP {status}", {}
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        code = str(error.get("code") or code)
+        message = str(error.get("message") or message)
+        if isinstance(error.get("details"), dict):
+            details = error["details"]
+    if status == 409:
+        cls: type[RunstateError] = CONFLICT_CLASSES.get(code, ConflictError)
+    elif code in CODE_CLASSES:
+        cls = CODE_CLASSES[code]
+    elif status in STATUS_CLASSES:
+        cls = STATUS_CLASSES[status]
+    elif status >= 500:
+        cls = ServerError
+    else:
+        cls = RunstateError
+    exc = cls(message, code=code, status_code=status, details=details)
+    if isinstance(exc, RateLimitedError):
+        exc.retry_after = retry_after_seconds(response)
+    return exc

@@ -1,0 +1,1 @@
+"""The sync client, generated from ``runstate/_async`` by ``sdk/unasync.py`` (``consume.py`` aside)."""

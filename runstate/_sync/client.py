@@ -1,0 +1,157 @@
+# Generated from runstate/_async/client.py by sdk/unasync.py: edit that file, then regenerate.
+"""``Runstate``: the sync client and its top-level namespaces."""
+
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from runstate._config import ClientConfig, JsonDict, compact, csv, default_scope_id, segment
+from runstate._sync.clock import Barriers, Timers
+from runstate._sync.groups import Groups
+from runstate._sync.http import Http
+from runstate._sync.runs import Scope, Scopes
+from runstate._sync.work import Messages, Tasks
+
+
+class Mailboxes:
+    """``rs.mailboxes``: ensure and read mailboxes."""
+
+    def __init__(self, http: Http) -> None:
+        self._http = http
+
+    def ensure(
+        self, name: str, *, mode: str, lease_ttl_ms: int | None = None, max_attempts: int | None = None
+    ) -> JsonDict:
+        """Ensure the mailbox exists with ``mode`` (``WORK`` or ``QUEUE``); idempotent, needs ``resource_config``."""
+        mailbox: JsonDict = self._http.request(
+            "PUT",
+            f"/mailboxes/{segment(name)}",
+            idempotent=True,
+            json=compact(mode=mode, leaseTtlMs=lease_ttl_ms, maxAttempts=max_attempts),
+        )
+        return mailbox
+
+    def retrieve(self, name: str) -> JsonDict:
+        """Return the mailbox: ``name, mode, leaseTtlMs, maxAttempts, createdAt``."""
+        mailbox: JsonDict = self._http.request("GET", f"/mailboxes/{segment(name)}", idempotent=True)
+        return mailbox
+
+
+class Events:
+    """``rs.events``: the cursor-paged event log."""
+
+    def __init__(self, http: Http) -> None:
+        self._http = http
+
+    def follow(
+        self,
+        *,
+        after: str | None = None,
+        types: str | Iterable[str] | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> Iterator[JsonDict]:
+        """Yield every event after ``after`` (from the start when ``None``), then wait for new ones, forever."""
+        cursor = after
+        while True:
+            page = self.list(after=cursor, types=types, run_id=run_id, limit=limit, wait_ms=30_000)
+            for event in page["events"]:  # noqa: UP028 - an async generator cannot "yield from"
+                yield event
+            cursor = page["nextCursor"]
+
+    def list(
+        self,
+        *,
+        after: str | None = None,
+        types: str | Iterable[str] | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+        wait_ms: int | None = None,
+    ) -> JsonDict:
+        """Return the events after the cursor ``after``, oldest first: ``{events, nextCursor}``.
+
+        ``types`` filters by type, ``run_id`` by run (and every run below it). With
+        ``wait_ms`` (30 s at most), an empty page waits that long for the next event.
+        ``nextCursor`` is never null: pass it as ``after`` to continue.
+        """
+        wait = min(wait_ms, 30_000) if wait_ms else 0
+        params: dict[str, Any] = compact(after=after, types=csv(types), runId=run_id, limit=limit)
+        if wait:
+            params["waitMs"] = wait
+        page: JsonDict = self._http.request("GET", "/events", idempotent=True, params=params, wait_ms=wait)
+        return page
+
+
+class Runstate:
+    """The sync client.
+
+    Configured by arguments or the environment: ``base_url`` (``RUNSTATE_URL``, the service's
+    URL without ``/v1``; default ``http://127.0.0.1:8000``) and ``api_key``
+    (``RUNSTATE_API_KEY``). One pool of connections serves every call; close it with
+    ``rs.close()`` or use the client as a context manager.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+        max_retries: int = 3,
+        backoff_base: float = 0.2,
+        backoff_max: float = 10.0,
+        max_connections: int = 100,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.config = ClientConfig.build(
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            max_retries=max_retries,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+            max_connections=max_connections,
+            headers=headers,
+        )
+        self._http = Http(self.config, transport)
+        self.mailboxes = Mailboxes(self._http)
+        self.scopes = Scopes(self._http)
+        self.events = Events(self._http)
+        # Look-ups that need no run; creating barriers, timers, tasks and messages goes through a run.
+        self.groups = Groups(self._http)
+        self.tasks = Tasks(self._http, None)
+        self.messages = Messages(self._http, None)
+        self.barriers = Barriers(self._http, None)
+        self.timers = Timers(self._http, None)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.config.base_url}>"
+
+    def scope(self, scope_id: str | None = None) -> Scope:
+        """Return a handle on the run ``scope_id`` (default ``RUNSTATE_SCOPE_ID``); no request is sent."""
+        return Scope(self._http, default_scope_id(scope_id))
+
+    def health(self) -> JsonDict:
+        """Return ``/v1/healthz`` (needs no key)."""
+        answer: JsonDict = self._http.request("GET", "/healthz", idempotent=True)
+        return answer
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

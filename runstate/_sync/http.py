@@ -1,0 +1,103 @@
+# Generated from runstate/_async/http.py by sdk/unasync.py: edit that file, then regenerate.
+"""HTTP plumbing of the sync client: one pooled connection set, timeouts, retries, errors.
+
+Whether a call may be retried is decided by each caller and passed as ``idempotent``: a
+retry must never repeat an effect. Reads, ensures and state transitions that answer the
+same on repetition (cancel, complete, close, verdicts, arrivals, renewals...) retry on
+transport errors and 429/502/503/504; creates, claims, receives and submits or sends
+without an idempotency key never do.
+"""
+
+import time
+from collections.abc import Callable, Mapping
+from time import monotonic
+from typing import Any
+
+import httpx
+
+from runstate._config import MAX_SERVER_WAIT_MS, RETRYABLE_STATUS, ClientConfig, JsonDict
+from runstate._errors import TransportError, error_from_response, retry_after_seconds
+
+Params = Mapping[str, str | int]
+
+
+class Http:
+    """Send requests to ``{base_url}/v1`` and turn error answers into exceptions."""
+
+    def __init__(self, config: ClientConfig, transport: httpx.BaseTransport | None = None) -> None:
+        self.config = config
+        self._client = httpx.Client(
+            base_url=f"{config.base_url}/v1",
+            headers=config.request_headers(),
+            timeout=httpx.Timeout(config.timeout, connect=config.connect_timeout),
+            limits=httpx.Limits(
+                max_connections=config.max_connections, max_keepalive_connections=config.max_connections
+            ),
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._client.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        idempotent: bool,
+        json: JsonDict | None = None,
+        params: Params | None = None,
+        wait_ms: int = 0,
+    ) -> Any:
+        """Send one call and return its decoded JSON answer; raise the mapped error otherwise.
+
+        ``wait_ms`` is how long the server may hold the answer (a long-poll): the read
+        timeout is extended by that much.
+        """
+        timeout = httpx.Timeout(self.config.timeout + wait_ms / 1000, connect=self.config.connect_timeout)
+        retries = 0
+        while True:
+            try:
+                response = self._client.request(method, path, json=json, params=params, timeout=timeout)
+            except httpx.TransportError as exc:
+                if not idempotent or retries >= self.config.max_retries:
+                    raise TransportError(f"{method} /v1{path}: {type(exc).__name__}: {exc}") from exc
+                delay = self.config.backoff_delay(retries)
+            else:
+                if response.status_code < 400:
+                    return response.json() if response.content else None
+                retryable = idempotent and response.status_code in RETRYABLE_STATUS
+                if not retryable or retries >= self.config.max_retries:
+                    raise error_from_response(response)
+                delay = max(self.config.backoff_delay(retries), retry_after_seconds(response) or 0.0)
+            retries += 1
+            time.sleep(delay)
+
+    def wait(
+        self,
+        method: str,
+        path: str,
+        *,
+        done: Callable[[JsonDict], bool],
+        timeout_ms: int | None,
+        what: str,
+    ) -> JsonDict:
+        """Long-poll ``path`` (``?timeoutMs=``) until ``done(answer)``, looping over the server's cap.
+
+        Raise the builtin ``TimeoutError`` once ``timeout_ms`` (``None``: no limit) has passed.
+        """
+        if timeout_ms is not None and timeout_ms < 0:
+            raise ValueError("timeout_ms must be >= 0")
+        deadline = None if timeout_ms is None else monotonic() + timeout_ms / 1000
+        while True:
+            remaining_ms = MAX_SERVER_WAIT_MS if deadline is None else max(0, int((deadline - monotonic()) * 1000))
+            chunk_ms = min(remaining_ms, MAX_SERVER_WAIT_MS)
+            answer: JsonDict = self.request(
+                method, path, idempotent=True, params={"timeoutMs": chunk_ms}, wait_ms=chunk_ms
+            )
+            if done(answer):
+                return answer
+            if deadline is not None and monotonic() >= deadline:
+                state = answer.get("state")
+                raise TimeoutError(f"{what} did not finish within {timeout_ms} ms (state {state}).")

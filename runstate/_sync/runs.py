@@ -1,0 +1,164 @@
+# Generated from runstate/_async/runs.py by sdk/unasync.py: edit that file, then regenerate.
+"""Runs (scopes): ``rs.scopes.create``, ``rs.scope(id)`` and the run handle."""
+
+from datetime import datetime
+from typing import Any
+
+from runstate._config import JsonDict, compact, segment, wire_time
+from runstate._sync.clock import Barriers, Timers
+from runstate._sync.consume import ConsumeSummary, Handler, Worker
+from runstate._sync.groups import Groups
+from runstate._sync.http import Http
+from runstate._sync.work import Messages, Tasks
+
+
+class Scope:
+    """A handle on a run; making one (``rs.scope(id)``) sends no request.
+
+    ``groups``, ``barriers``, ``timers``, ``tasks`` and ``messages`` create and find objects
+    under this run; ``consume`` runs a worker loop on it. ``data`` is the run as last seen.
+    """
+
+    def __init__(self, http: Http, run_id: str, data: JsonDict | None = None) -> None:
+        self._http = http
+        self.id = run_id
+        self.data = data
+        self.groups = Groups(http)
+        self.barriers = Barriers(http, run_id)
+        self.timers = Timers(http, run_id)
+        self.tasks = Tasks(http, run_id)
+        self.messages = Messages(http, run_id)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id}>"
+
+    @property
+    def _path(self) -> str:
+        return f"/runs/{segment(self.id)}"
+
+    def status(self) -> JsonDict:
+        """Return the run: ``storedState`` (its own) and ``effective`` (``INACTIVE`` if it or an ancestor ended)."""
+        self.data = self._http.request("GET", self._path, idempotent=True)
+        return self.data
+
+    def cancel(self, reason: str | None = None) -> JsonDict:
+        """Cancel the run and everything below it (idempotent; ``SCOPE_COMPLETED`` on a completed run)."""
+        self.data = self._http.request("POST", f"{self._path}/cancel", idempotent=True, json=compact(reason=reason))
+        return self.data
+
+    def complete(self) -> JsonDict:
+        """Complete the run and everything below it (idempotent; ``SCOPE_CANCELLED`` on a cancelled run)."""
+        self.data = self._http.request("POST", f"{self._path}/complete", idempotent=True)
+        return self.data
+
+    def child(
+        self, *, name: str | None = None, deadline: datetime | str | None = None, child_limit: int | None = None
+    ) -> "Scope":
+        """Create a child run, cancelled along with this one (never retried: two calls make two runs)."""
+        run: JsonDict = self._http.request(
+            "POST",
+            f"{self._path}/children",
+            idempotent=False,
+            json=compact(name=name, deadline=wire_time(deadline), childLimit=child_limit),
+        )
+        return Scope(self._http, run["id"], run)
+
+    def worker(
+        self,
+        mailbox: str,
+        handler: Handler,
+        *,
+        concurrency: int = 1,
+        lease_ttl_ms: int | None = None,
+        worker_id: str | None = None,
+        claim_wait_ms: int = 30_000,
+        renew_fraction: float = 1 / 3,
+        drain_timeout: float = 30.0,
+        handle_signals: bool = True,
+    ) -> Worker:
+        """Return a worker loop on this run (start it with ``run()``, end it with ``stop()``); see ``consume``."""
+        return Worker(
+            self._http,
+            self.id,
+            mailbox,
+            handler,
+            concurrency=concurrency,
+            lease_ttl_ms=lease_ttl_ms,
+            worker_id=worker_id,
+            claim_wait_ms=claim_wait_ms,
+            renew_fraction=renew_fraction,
+            drain_timeout=drain_timeout,
+            handle_signals=handle_signals,
+        )
+
+    def consume(
+        self,
+        mailbox: str,
+        handler: Handler,
+        *,
+        concurrency: int = 1,
+        lease_ttl_ms: int | None = None,
+        worker_id: str | None = None,
+        claim_wait_ms: int = 30_000,
+        renew_fraction: float = 1 / 3,
+        drain_timeout: float = 30.0,
+        handle_signals: bool = True,
+    ) -> ConsumeSummary:
+        """Claim this run's tasks of ``mailbox`` and run ``handler(ctx)`` on each, ``concurrency`` at a time.
+
+        Leases are renewed in the background every ``renew_fraction`` of their TTL. The
+        handler's return value is recorded as the outcome, its exception as a failure (retried
+        while attempts remain). ``ctx.signal`` is set when cancellation is requested, the
+        lease is lost or the run is refused; a handler whose claim is lost is cancelled.
+        Returns when the run refuses work (cancelled, completed, past its deadline) or on
+        ``SIGTERM`` / ``stop()``: running handlers get ``drain_timeout`` seconds to finish,
+        then are cancelled and their tasks released.
+        """
+        return self.worker(
+            mailbox,
+            handler,
+            concurrency=concurrency,
+            lease_ttl_ms=lease_ttl_ms,
+            worker_id=worker_id,
+            claim_wait_ms=claim_wait_ms,
+            renew_fraction=renew_fraction,
+            drain_timeout=drain_timeout,
+            handle_signals=handle_signals,
+        ).run()
+
+
+class Scopes:
+    """``rs.scopes``: create and list runs."""
+
+    def __init__(self, http: Http) -> None:
+        self._http = http
+
+    def create(
+        self,
+        *,
+        name: str | None = None,
+        deadline: datetime | str | None = None,
+        parent_id: str | None = None,
+        child_limit: int | None = None,
+    ) -> Scope:
+        """Create a run (a root run, or a child of ``parent_id``); never retried: two calls make two runs."""
+        run: JsonDict = self._http.request(
+            "POST",
+            "/runs",
+            idempotent=False,
+            json=compact(name=name, deadline=wire_time(deadline), parentId=parent_id, childLimit=child_limit),
+        )
+        return Scope(self._http, run["id"], run)
+
+    def list(
+        self,
+        *,
+        parent_id: str | None = None,
+        state: str | None = None,
+        cursor: str | None = None,
+        limit: int | None = None,
+    ) -> JsonDict:
+        """Return one page of runs, oldest first: ``{results, nextCursor}``."""
+        params: dict[str, Any] = compact(parentId=parent_id, state=state, cursor=cursor, limit=limit)
+        page: JsonDict = self._http.request("GET", "/runs", idempotent=True, params=params)
+        return page

@@ -1,0 +1,496 @@
+"""The worker loop behind ``consume``: claim, renew in the background, run handlers, record, stop.
+
+One engine serves both clients. It runs on an asyncio loop; an async handler runs as a task
+on that loop (and is cancelled when its claim is lost), a plain function runs in a daemon
+thread (it cannot be cancelled: it is told through ``ctx.signal`` and its result is dropped).
+"""
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import traceback
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from time import monotonic
+from typing import Any, Protocol
+
+from runstate._async.http import AsyncHttp
+from runstate._async.work import AsyncClaim, AsyncTasks
+from runstate._config import JsonDict, segment
+from runstate._errors import (
+    LeaseLostError,
+    NotFoundError,
+    RateLimitedError,
+    RunstateError,
+    ScopeInactiveError,
+    ServerError,
+    ServiceUnavailableError,
+    TransportError,
+)
+
+logger = logging.getLogger("runstate.worker")
+
+# Failures a worker rides out (with backoff) rather than stopping for.
+TRANSIENT = (TransportError, ServiceUnavailableError, RateLimitedError, ServerError)
+# How long to pause after a transient claim failure: doubles per failure up to the cap.
+CLAIM_BACKOFF_S = 0.5
+CLAIM_BACKOFF_MAX_S = 15.0
+# A renewal must leave room to reach the server before the lease runs out.
+MIN_RENEW_INTERVAL_S = 0.05
+# With a short (or no) claim long-poll, pause this long after an empty answer instead of spinning.
+IDLE_PAUSE_S = 0.5
+
+
+class _Signal(Protocol):
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+
+class _TaskContextBase:
+    """What a handler gets: the claimed task, and whether it should stop."""
+
+    signal: _Signal
+
+    def __init__(self, claim: AsyncClaim) -> None:
+        self.task: JsonDict = claim.task
+        self.task_id: str = claim.task_id
+        self.claim_id: str = claim.id
+        self.attempt: int = claim.attempt
+        self.input: Any = claim.task.get("input")
+        self.key: str | None = claim.task.get("key")
+        # Why the signal was set: "cancellation_requested", "lease_lost", "scope_refused" or "stopping".
+        self.stop_reason: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} task={self.task_id} attempt={self.attempt}>"
+
+    def is_cancellation_requested(self) -> bool:
+        """Return whether the handler should stop (cancellation requested, lease lost or run refused)."""
+        return self.signal.is_set()
+
+    def _trip(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self.signal.set()
+
+
+class AsyncTaskContext(_TaskContextBase):
+    """The context of an ``AsyncRunstate`` handler; ``signal`` is an ``asyncio.Event``.
+
+    A plain-function handler runs in a thread: it should poll ``is_cancellation_requested()``
+    rather than wait on the ``asyncio.Event``.
+    """
+
+    signal: asyncio.Event
+
+    def __init__(self, claim: AsyncClaim) -> None:
+        super().__init__(claim)
+        self.signal = asyncio.Event()
+
+
+class TaskContext(_TaskContextBase):
+    """The context of a ``Runstate`` handler (run in a thread); ``signal`` is a ``threading.Event``."""
+
+    signal: threading.Event
+
+    def __init__(self, claim: AsyncClaim) -> None:
+        super().__init__(claim)
+        self.signal = threading.Event()
+
+
+@dataclass
+class ConsumeSummary:
+    """What a worker loop did before it returned.
+
+    ``completed``: outcomes recorded (``SUCCEEDED``, or ``CANCELLED`` when cancellation was
+    requested); ``failed``: failures recorded; ``lost``: claims lost (lease lost, run refused,
+    or the record refused); ``released``: tasks handed back on stop. ``stop_reason`` is
+    ``"stopped"`` (``stop()``/``SIGTERM``) or the run's refusal code (``SCOPE_CANCELLED``,
+    ``SCOPE_COMPLETED``, ``DEADLINE_EXCEEDED``).
+    """
+
+    completed: int = 0
+    failed: int = 0
+    lost: int = 0
+    released: int = 0
+    stop_reason: str = ""
+
+
+def _settle(future: "asyncio.Future[Any]", result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def run_in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], object], ctx: object) -> "asyncio.Future[Any]":
+    """Run ``fn(ctx)`` in a daemon thread and return a future of its result on ``loop``.
+
+    Daemon, so a handler that ignores its signal cannot keep the process alive after the
+    worker returned; cancelling the future abandons the thread's result.
+    """
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def target() -> None:
+        result: object = None
+        error: BaseException | None = None
+        try:
+            result = fn(ctx)
+        except Exception as exc:  # noqa: BLE001 - handed to the loop, recorded as a failure
+            error = exc
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and the like in a handler thread
+            error = RuntimeError(f"handler raised {exc!r}")
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits for this result any more
+            pass
+
+    threading.Thread(target=target, name="runstate-handler", daemon=True).start()
+    return future
+
+
+def is_async_callable(fn: object) -> bool:
+    """Return whether calling ``fn`` returns a coroutine (async functions and async ``__call__``)."""
+    call = type(fn).__call__ if callable(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+def describe_error(exc: BaseException) -> JsonDict:
+    """Return the failure record of a handler's exception."""
+    text = "".join(traceback.format_exception(exc))
+    return {"type": type(exc).__name__, "message": str(exc), "traceback": text[-4000:]}
+
+
+class _Held:
+    """A claimed task being worked on."""
+
+    def __init__(self, claim: AsyncClaim, ctx: _TaskContextBase) -> None:
+        self.claim = claim
+        self.ctx = ctx
+        self.lost = False  # the claim is gone: nothing may be recorded, the handler is cancelled
+        self.abandoned = False  # the worker is stopping: the handler is cancelled, the task released
+        self.handler: asyncio.Future[Any] | None = None
+        self.supervisor: asyncio.Task[None] | None = None
+        self.renewer: asyncio.Task[None] | None = None
+
+
+# SIGTERM stops every worker running on a loop; the handler is installed by the first one
+# and the previous disposition restored by the last one.
+_sigterm_workers: dict[asyncio.AbstractEventLoop, set["Engine"]] = {}
+_sigterm_previous: dict[asyncio.AbstractEventLoop, Any] = {}
+
+
+def _stop_all(loop: asyncio.AbstractEventLoop) -> None:
+    logger.info("SIGTERM: stopping %d worker(s)", len(_sigterm_workers.get(loop, ())))
+    for engine in list(_sigterm_workers.get(loop, ())):
+        engine.stop()
+
+
+@contextmanager
+def _sigterm_stops(engine: "Engine", loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    if not engine.handle_signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    workers = _sigterm_workers.get(loop)
+    if workers is None:
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            loop.add_signal_handler(signal.SIGTERM, _stop_all, loop)
+        except (NotImplementedError, RuntimeError):  # no signal support on this loop/platform
+            yield
+            return
+        workers = _sigterm_workers[loop] = set()
+        _sigterm_previous[loop] = previous
+    workers.add(engine)
+    try:
+        yield
+    finally:
+        workers.discard(engine)
+        if not workers:
+            del _sigterm_workers[loop]
+            previous = _sigterm_previous.pop(loop)
+            loop.remove_signal_handler(signal.SIGTERM)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+class Engine:
+    """One worker loop on one run and mailbox."""
+
+    def __init__(
+        self,
+        http: AsyncHttp,
+        run_id: str,
+        mailbox: str,
+        *,
+        make_context: Callable[[AsyncClaim], _TaskContextBase],
+        start_handler: Callable[[_TaskContextBase], Awaitable[Any]],
+        concurrency: int,
+        lease_ttl_ms: int | None,
+        worker_id: str | None,
+        claim_wait_ms: int,
+        renew_fraction: float,
+        drain_timeout: float,
+        handle_signals: bool,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if not 0 < renew_fraction < 1:
+            raise ValueError("renew_fraction must be between 0 and 1")
+        self._http = http
+        self._tasks = AsyncTasks(http, run_id)
+        self.run_id = run_id
+        self.mailbox = mailbox
+        self._make_context = make_context
+        self._start_handler = start_handler
+        self.concurrency = concurrency
+        self.lease_ttl_ms = lease_ttl_ms
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self.claim_wait_ms = max(0, min(claim_wait_ms, 30_000))
+        self.renew_fraction = renew_fraction
+        self.drain_timeout = drain_timeout
+        self.handle_signals = handle_signals
+        self.summary = ConsumeSummary()
+        self._held: dict[str, _Held] = {}
+        self._stop_requested = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._ttl_s = 30.0
+
+    # Control ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; running handlers get ``drain_timeout`` to finish. Safe from any thread."""
+        self._stop_requested = True
+        loop, event = self._loop, self._stop_event
+        if loop is None or event is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            event.set()
+        else:
+            loop.call_soon_threadsafe(event.set)
+
+    async def run(self) -> ConsumeSummary:
+        """Work until the run refuses work or ``stop()``; return the summary."""
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self._changed = asyncio.Event()
+        if self._stop_requested:
+            self._stop_event.set()
+        ttl_ms = self.lease_ttl_ms
+        if ttl_ms is None:
+            mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
+            ttl_ms = int(mailbox["leaseTtlMs"])
+        self._ttl_s = ttl_ms / 1000
+        with _sigterm_stops(self, self._loop):
+            try:
+                await self._claim_loop()
+            except BaseException:
+                # Cancelled from outside, or an error that ends the loop: hand everything back now.
+                await self._shutdown(drain_timeout=0)
+                raise
+            await self._shutdown(drain_timeout=self.drain_timeout)
+        return self.summary
+
+    # Claiming ---------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        assert self._stop_event is not None and self._changed is not None
+        failures = 0
+        while not self._stop_event.is_set():
+            self._changed.clear()
+            free = self.concurrency - len(self._held)
+            if free <= 0:
+                await self._first_of(self._changed.wait())
+                continue
+            call = asyncio.ensure_future(
+                self._tasks.claim(
+                    self.mailbox,
+                    max=free,
+                    wait_ms=self.claim_wait_ms,
+                    lease_ttl_ms=self.lease_ttl_ms,
+                    worker_id=self.worker_id,
+                )
+            )
+            try:
+                await self._first_of(call)
+            finally:
+                if not call.done():
+                    # Stopping mid-wait. The server may still hand out a task the answer
+                    # to this abandoned request carried: its lease expires and it is taken over.
+                    call.cancel()
+            if not call.done() or call.cancelled():
+                return
+            error = call.exception()
+            if error is None:
+                failures = 0
+                claims = call.result()
+                if self._stop_event.is_set():
+                    await asyncio.gather(*(self._release(claim) for claim in claims))
+                    return
+                for claim in claims:
+                    self._start(claim)
+                if not claims and self.claim_wait_ms < IDLE_PAUSE_S * 1000:
+                    await self._first_of(asyncio.sleep(IDLE_PAUSE_S))
+            elif isinstance(error, ScopeInactiveError):
+                logger.info("run %s refuses work (%s): stopping", self.run_id, error.code)
+                self.summary.stop_reason = error.code
+                for held in list(self._held.values()):
+                    self._lose(held, "scope_refused")
+                return
+            elif isinstance(error, TRANSIENT):
+                failures += 1
+                pause = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
+                logger.warning("claim on %s failed (%s); retrying in %.1f s", self.mailbox, error, pause)
+                await self._first_of(asyncio.sleep(pause))
+            else:
+                raise error
+        self.summary.stop_reason = self.summary.stop_reason or "stopped"
+
+    async def _first_of(self, awaitable: Awaitable[Any]) -> None:
+        """Wait for ``awaitable`` or a stop request, whichever comes first."""
+        assert self._stop_event is not None
+        inner = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(self._stop_event.wait())
+        try:
+            await asyncio.wait({inner, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not inner.done() and not isinstance(awaitable, asyncio.Future):
+                inner.cancel()
+        if self._stop_event.is_set():
+            self.summary.stop_reason = self.summary.stop_reason or "stopped"
+
+    # Running one task -------------------------------------------------------------------
+
+    def _start(self, claim: AsyncClaim) -> None:
+        ctx = self._make_context(claim)
+        held = _Held(claim, ctx)
+        if claim.cancellation_requested:
+            ctx._trip("cancellation_requested")
+        held.handler = asyncio.ensure_future(self._start_handler(ctx))
+        self._held[claim.id] = held
+        held.renewer = asyncio.create_task(self._renew_loop(held), name=f"runstate-renew-{claim.task_id}")
+        held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-task-{claim.task_id}")
+
+    def _lose(self, held: _Held, reason: str) -> None:
+        """Mark the claim lost: set the signal and cancel the handler (its result can no longer count)."""
+        held.lost = True
+        held.ctx._trip(reason)
+        if held.handler is not None and not held.handler.done():
+            logger.info("task %s: claim lost (%s); cancelling its handler", held.claim.task_id, reason)
+            held.handler.cancel()
+
+    async def _renew_loop(self, held: _Held) -> None:
+        interval = max(MIN_RENEW_INTERVAL_S, self._ttl_s * self.renew_fraction)
+        lease_until = monotonic() + self._ttl_s
+        while True:
+            await asyncio.sleep(interval)
+            sent = monotonic()
+            try:
+                await held.claim.renew(lease_ttl_ms=self.lease_ttl_ms)
+            except ScopeInactiveError:
+                self._lose(held, "scope_refused")
+                return
+            except TRANSIENT as exc:
+                if monotonic() >= lease_until:
+                    self._lose(held, "lease_lost")
+                    return
+                logger.warning("task %s: renewal failed (%s); retrying", held.claim.task_id, exc)
+                continue
+            except RunstateError:  # LEASE_LOST, NOT_FOUND, or anything else: the claim is gone
+                self._lose(held, "lease_lost")
+                return
+            lease_until = sent + self._ttl_s
+            if held.claim.cancellation_requested:
+                held.ctx._trip("cancellation_requested")
+
+    async def _supervise(self, held: _Held) -> None:
+        assert held.handler is not None
+        try:
+            try:
+                outcome = await held.handler
+            except asyncio.CancelledError:
+                if held.lost:
+                    self.summary.lost += 1
+                elif held.abandoned:
+                    await self._release(held.claim)
+                else:  # the handler cancelled itself: a failure like any other
+                    await self._record_failure(held, asyncio.CancelledError("handler cancelled"))
+                return
+            except Exception as exc:  # noqa: BLE001 - the handler's failure is recorded, not raised
+                await self._record_failure(held, exc)
+                return
+            await self._record_outcome(held, outcome)
+        finally:
+            if held.renewer is not None:
+                held.renewer.cancel()
+            self._held.pop(held.claim.id, None)
+            if self._changed is not None:
+                self._changed.set()
+
+    async def _record_outcome(self, held: _Held, outcome: Any) -> None:
+        try:
+            json.dumps(outcome)
+        except (TypeError, ValueError) as exc:
+            error = {"type": type(exc).__name__, "message": f"The handler's return value is not JSON: {exc}"}
+            await self._record(held, held.claim.fail(error, retry=False), failed=True)
+            return
+        await self._record(held, held.claim.complete(outcome), failed=False)
+
+    async def _record_failure(self, held: _Held, exc: BaseException) -> None:
+        logger.warning("task %s attempt %d failed: %r", held.claim.task_id, held.claim.attempt, exc)
+        await self._record(held, held.claim.fail(describe_error(exc), retry=True), failed=True)
+
+    async def _record(self, held: _Held, call: Awaitable[JsonDict], *, failed: bool) -> None:
+        try:
+            await call
+        except (LeaseLostError, ScopeInactiveError, NotFoundError) as exc:
+            logger.info("task %s: result not recorded (%s)", held.claim.task_id, exc.code)
+            self.summary.lost += 1
+            return
+        except RunstateError as exc:
+            logger.error("task %s: result not recorded: %s", held.claim.task_id, exc)
+            self.summary.lost += 1
+            return
+        if failed:
+            self.summary.failed += 1
+        else:
+            self.summary.completed += 1
+
+    async def _release(self, claim: AsyncClaim) -> None:
+        try:
+            await claim.release()
+        except RunstateError as exc:
+            logger.info("task %s: release refused (%s)", claim.task_id, exc)
+            return
+        self.summary.released += 1
+
+    async def _shutdown(self, *, drain_timeout: float) -> None:
+        """Let running handlers finish for ``drain_timeout`` s, then cancel them and release their tasks."""
+        running = [held.supervisor for held in self._held.values() if held.supervisor is not None]
+        if running and drain_timeout > 0:
+            logger.info("stopping: waiting up to %.1f s for %d handler(s)", drain_timeout, len(running))
+            await asyncio.wait(running, timeout=drain_timeout)
+        for held in list(self._held.values()):
+            if held.handler is not None and not held.handler.done():
+                held.abandoned = True
+                held.ctx._trip("stopping")
+                held.handler.cancel()
+        remaining = [held.supervisor for held in self._held.values() if held.supervisor is not None]
+        if remaining:
+            await asyncio.wait(remaining)

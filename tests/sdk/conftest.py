@@ -1,0 +1,148 @@
+"""A real API server for the SDK: uvicorn in a child process on the test database.
+
+pytest-django's ``live_server`` is WSGI and cannot serve the async long-poll views, so the
+tests start ``uvicorn runstate_project.asgi:application`` themselves, pointed at the test
+database. Keys are created in the test process (committed: the tests are transactional) and
+handed to the SDK through ``RUNSTATE_URL`` / ``RUNSTATE_API_KEY``, as a user would.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db import connection
+
+from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
+from tests.workers.live import test_database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that talks to the test database."""
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=test_database_url(),
+        DJANGO_SETTINGS_MODULE="runstate_project.settings",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def sdk_server(django_db_setup, tmp_path_factory):
+    """Start one uvicorn server on the test database for the whole session."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("sdk-server") / "uvicorn.log"
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "runstate_project.asgi:application",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = Server(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"uvicorn exited ({process.returncode}):\n{server.log()}")
+            try:
+                if httpx.get(f"{server.url}/v1/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not answer within 60 s:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+@dataclass(frozen=True)
+class Credentials:
+    url: str
+    api_key: str
+    project_id: object
+
+
+def wait_for_quiet_server(timeout_s: float = 5.0) -> None:
+    """Wait until no other connection to the test database is inside a statement or transaction.
+
+    A worker stopped mid long-poll abandons its request; the server cancels the view, but a
+    read already running in a thread finishes first. Letting it end keeps the flush that
+    follows each transactional test from contending with it for locks.
+    """
+    query = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND pid <> pg_backend_pid() AND state IN ('active', 'idle in transaction')"
+    )
+    deadline = time.monotonic() + timeout_s
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(query)
+            if cursor.fetchone()[0] == 0:
+                return
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def sdk(sdk_server, transactional_db, monkeypatch):
+    """A project with an all-permission key, exported as RUNSTATE_URL / RUNSTATE_API_KEY."""
+    project = project_ensure(name="sdk")
+    issued = api_key_create(project_id=project.id, permissions=list(ALL_PERMISSIONS), name="sdk tests")
+    monkeypatch.setenv("RUNSTATE_URL", sdk_server.url)
+    monkeypatch.setenv("RUNSTATE_API_KEY", issued.plaintext)
+    monkeypatch.delenv("RUNSTATE_SCOPE_ID", raising=False)
+    yield Credentials(url=sdk_server.url, api_key=issued.plaintext, project_id=project.id)
+    wait_for_quiet_server()
+
+
+@pytest.fixture
+def make_key(sdk):
+    """Create another key of the same project with some permissions (optionally bound to a run)."""
+
+    def make(permissions, run_id=None):
+        return api_key_create(project_id=sdk.project_id, permissions=list(permissions), run_id=run_id).plaintext
+
+    return make
