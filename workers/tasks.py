@@ -99,3 +99,24 @@ def prune_events() -> int:
     from coordination.services.events import events_prune
 
     return _drain(events_prune, budget_s=30)
+
+
+@shared_task(name="runstate.rewake_unclaimed_work", ignore_result=True)
+def rewake_unclaimed_work() -> int:
+    """Send again the messages of bound tasks left claimable too long (a broker outage or a killed worker lost them).
+
+    Only the mailboxes bound in this process are looked at, so every worker should import
+    every decorated task module (docs/deploy.md). One batch per run: a deep backlog is
+    re-announced gradually, never all at once.
+    """
+    from coordination.services.tasks import tasks_rewake_unclaimed
+    from workers.decorators import registry
+    from workers.dispatch import rewake_after_s
+
+    close_old_connections()
+    if not registry:
+        return 0
+    mailbox_ids = registry.mailbox_ids()
+    if not mailbox_ids:
+        return 0
+    return tasks_rewake_unclaimed(mailbox_ids=mailbox_ids, unclaimed_for=timedelta(seconds=rewake_after_s()))

@@ -195,9 +195,29 @@ def task_insert(
         created_at=now,
         available_at=now,
     )
+    _celery_accept(task, mailbox)
     task.save(force_insert=True)
     _record(task, "task.submitted", mailbox=mailbox.name, key=key, groupId=str(group.id) if group else None)
     return task
+
+
+def _celery_accept(task: Task, mailbox: Mailbox) -> None:
+    """Validate a new task of a mailbox bound to a decorated Celery task; wake a worker after commit.
+
+    Every submit (API, SDK, ``task.submit``, group members) inserts here, so this is the one
+    place. Unbound mailboxes cost an in-memory lookup; the message is never sent inside this
+    transaction (``workers.dispatch``).
+    """
+    from workers.dispatch import dispatch_submitted_on_commit
+
+    dispatch_submitted_on_commit(task, mailbox)
+
+
+def _celery_wake(task: Task) -> None:
+    """Wake a Celery worker after commit for a task that went back to ``QUEUED`` in a bound mailbox."""
+    from workers.dispatch import dispatch_requeued_on_commit
+
+    dispatch_requeued_on_commit(task)
 
 
 def _task_with_key(mailbox: Mailbox, run_id: uuid.UUID, key: str, input: object) -> Task | None:
@@ -285,12 +305,74 @@ def _lease_expired(task: Task, now: datetime) -> list[Event]:
         task.state = TaskState.QUEUED
         task.available_at = now
         task.save(update_fields=["state", "available_at", "lease_expires_at", "worker_id"])
+        # A crashed Celery worker's message is gone: send the task out again.
+        _celery_wake(task)
         return [_event(task, "task.requeued", cause="lease_expired", attempt=task.attempts)]
     task.state = TaskState.FAILED
     task.error = {"code": "lease_expired", "message": "The lease expired with no attempts left."}
     task.finished_at = now
     task.save(update_fields=["state", "error", "finished_at", "lease_expires_at", "worker_id"])
     return [_event(task, "task.failed", error=task.error)]
+
+
+def _takeover_due(task: Task, now: datetime) -> bool:
+    """Whether a claimer may take over ``task``'s expired lease itself (the same rule as ``task_claim``)."""
+    return (
+        task.state == TaskState.RUNNING
+        and task.lease_expires_at is not None
+        and task.lease_expires_at <= now
+        and task.cancel_grace_until is None
+        and (task.group_id is None or task.attempts < task.max_attempts)
+    )
+
+
+@transaction.atomic
+def task_claim_by_id(
+    *,
+    project_id: uuid.UUID,
+    task_id: uuid.UUID,
+    worker_id: str = "",
+    lease_ttl_ms: int | None = None,
+    mailbox_id: uuid.UUID | None = None,
+) -> Claim | None:
+    """Claim one specific task under a lease; return None when it is not claimable now.
+
+    A Celery worker woken for this task calls it, and the claim decides: a duplicate
+    message, a task another worker holds, a finished one, one not yet available (retry
+    delay) or past its ``expiresAt`` answers None. An expired lease is taken over first, as
+    ``task_claim`` does. An inactive run refuses with its own code. ``mailbox_id`` given,
+    a task of another mailbox is ``NOT_FOUND``.
+    """
+    validate_lease_ttl_ms(lease_ttl_ms)
+    rows = Task.objects.filter(id=task_id, project_id=project_id)
+    if mailbox_id is not None:
+        rows = rows.filter(mailbox_id=mailbox_id)
+    run_id = rows.values_list("run_id", flat=True).first()
+    if run_id is None:
+        raise exceptions.NotFound("Task not found.", taskId=str(task_id))
+    # Claiming is new work: hold the chain so a cancel waits for us or refuses us.
+    run_chain_lock_active(run_id, project_id=project_id)
+    # Wait for the row rather than skip it: a duplicate delivery then sees the first claim.
+    task = Task.objects.select_for_update(of=("self",)).select_related("mailbox").get(id=task_id)
+    now = timezone.now()
+    events = _lease_expired(task, now) if _takeover_due(task, now) else []
+    claimable = (
+        task.state == TaskState.QUEUED
+        and task.available_at <= now
+        and (task.expires_at is None or task.expires_at > now)
+    )
+    claim = None
+    if claimable:
+        task.state = TaskState.RUNNING
+        task.attempts += 1
+        task.lease_expires_at = now + timedelta(milliseconds=lease_ttl_ms or task.mailbox.lease_ttl_ms)
+        task.worker_id = worker_id
+        task.started_at = task.started_at or now
+        task.save(update_fields=["state", "attempts", "lease_expires_at", "worker_id", "started_at"])
+        events.append(_event(task, "task.claimed", attempt=task.attempts, workerId=worker_id))
+        claim = Claim(task, task.attempts, task.lease_expires_at)
+    events_record_many(events)
+    return claim
 
 
 # Locking one task, its group first -------------------------------------------------------
@@ -411,6 +493,7 @@ def claim_fail(
         task.available_at = now + timedelta(milliseconds=retry_delay_ms)
         task.save(update_fields=["state", "error", "available_at", "lease_expires_at", "worker_id"])
         _record(task, "task.requeued", cause="retry", attempt=task.attempts, error=error)
+        _celery_wake(task)
         return task
     task.state = TaskState.FAILED
     task.finished_at = now
@@ -450,6 +533,7 @@ def claim_release(*, project_id: uuid.UUID, claim_id: str) -> Task:
         task.available_at = now
         task.save(update_fields=["state", "available_at", "lease_expires_at", "worker_id"])
         _record(task, "task.requeued", cause="released", attempt=task.attempts)
+        _celery_wake(task)
     _after_change(task, locked_group, now)
     return task
 
@@ -546,6 +630,31 @@ def _settle_member(task_id: uuid.UUID, now: datetime) -> int:
     events_record_many(_lease_expired(task, now))
     _after_change(task, locked_group, now)
     return 1
+
+
+@transaction.atomic
+def tasks_rewake_unclaimed(
+    *, mailbox_ids: list[uuid.UUID], unclaimed_for: timedelta, now: datetime | None = None, batch_size: int = 500
+) -> int:
+    """Wake workers again for queued tasks of ``mailbox_ids`` left unclaimed that long; return how many.
+
+    Their Celery message may be lost (the broker was down at submit, or a killed worker held
+    it unacknowledged). ``available_at`` moves to now, so a task is announced again at most
+    once per ``unclaimed_for``; a duplicate message is harmless (the claim decides).
+    """
+    now = now or timezone.now()
+    tasks = list(
+        Task.objects.filter(mailbox_id__in=mailbox_ids, state=TaskState.QUEUED, available_at__lte=now - unclaimed_for)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .order_by("available_at")
+        .select_for_update(skip_locked=True)[:batch_size]
+    )
+    if tasks:
+        Task.objects.filter(id__in=[t.id for t in tasks]).update(available_at=now)
+    for task in tasks:
+        task.available_at = now
+        _celery_wake(task)
+    return len(tasks)
 
 
 def tasks_expire_queued(*, now: datetime | None = None, batch_size: int = 500) -> int:

@@ -1,0 +1,315 @@
+"""Celery throughput: tasks through ``@runstate_task`` against a plain Celery no-op, same run, same worker.
+
+    .venv/bin/python -m bench.celery [--tasks N] [--processes 2,4] [--submitters S] [--record]
+
+For each worker size W (prefork, ``--concurrency=W``), one ``celery worker`` process serves
+both scenarios, one after the other:
+
+* plain: N messages of a plain ``@shared_task`` whose body is one Redis ``INCR`` (how the
+  benchmark learns it ran); time from the first send until the counter reaches N;
+* runstate: N ``noop.submit(run, {})`` calls (a task row, its event, the Celery message
+  after commit), each executed by the decorated no-op (claim by id under a lease, heartbeat
+  thread, complete); time from the first submit until N tasks are ``SUCCEEDED``.
+
+S threads (``--submitters``, default 2) send or submit in both scenarios. The ratio
+runstate / plain is what the guarantees cost: two short transactions per task (claim,
+complete) plus the submit's, on PostgreSQL. Afterwards one query checks every task
+``SUCCEEDED`` exactly once (``attempts = 1``, N ``task.succeeded`` events).
+
+Needs PostgreSQL (``DATABASE_URL``, default
+``postgres://postgres@127.0.0.1:5432/runstate_bench_celery``, created and migrated when
+missing) and Redis (``--broker``, default ``redis://127.0.0.1:6379/12``; the benchmark
+FLUSHES that Redis database). ``--record`` appends the figures to docs/benchmarks.md.
+Not a test: pytest never collects this module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/runstate_bench_celery")
+os.environ.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/12")
+os.environ.setdefault("DEBUG", "0")
+os.environ.setdefault("SECRET_KEY", "runstate-bench-not-a-secret")
+os.environ.setdefault("LOG_LEVEL", "WARNING")
+
+if __name__ == "__main__":
+    # Before Django starts: create the benchmark database when it is missing.
+    import dj_database_url
+    import psycopg
+
+    _db = dj_database_url.parse(os.environ["DATABASE_URL"])
+    _admin = {
+        "host": _db["HOST"] or "127.0.0.1",
+        "port": _db["PORT"] or 5432,
+        "user": _db["USER"],
+        "password": _db["PASSWORD"] or None,
+    }
+    with psycopg.connect(dbname="postgres", autocommit=True, **_admin) as _conn:
+        if not _conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [_db["NAME"]]).fetchone():
+            _conn.execute(f'CREATE DATABASE "{_db["NAME"]}"')
+
+import django  # noqa: E402
+from django.apps import apps  # noqa: E402
+
+if not apps.ready:
+    django.setup()
+
+import argparse  # noqa: E402
+import datetime as dt  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import redis  # noqa: E402
+from celery import shared_task  # noqa: E402
+
+from workers import runstate_task  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD_PATH = ROOT / "docs" / "benchmarks.md"
+QUEUE = "bench-celery"
+COUNTER = "bench-celery:plain-done"
+TABLE_HEADER = [
+    "| processes | plain Celery no-op, tasks/s | `@runstate_task` no-op, tasks/s | ratio | submit only, tasks/s |",
+    "| --- | --- | --- | --- | --- |",
+]
+
+
+@runstate_task(mailbox="bench-noop", project="bench-celery", lease_ttl=30, name="bench.celery.noop", queue=QUEUE)
+def noop(ctx):
+    """Do nothing: what is measured is runstate's claim, heartbeat and completion around it."""
+    return None
+
+
+_counter_client: redis.Redis | None = None
+
+
+@shared_task(name="bench.celery.plain_noop", ignore_result=True, acks_late=True, queue=QUEUE)
+def plain_noop():
+    """Do nothing but count (the benchmark's only way to see that it ran)."""
+    global _counter_client
+    if _counter_client is None:
+        _counter_client = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
+    _counter_client.incr(COUNTER)
+
+
+def machine_busy(interval_s: float = 1.0) -> float:
+    """Return the fraction of all CPUs busy over ``interval_s`` (from /proc/stat; 0 where unavailable)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as handle:
+            fields = [int(value) for value in handle.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return idle, sum(fields)
+
+    try:
+        idle_before, total_before = sample()
+        time.sleep(interval_s)
+        idle_after, total_after = sample()
+    except OSError:
+        return 0.0
+    total = total_after - total_before
+    return 1 - (idle_after - idle_before) / total if total else 0.0
+
+
+def wait_for_quiet(threshold: float, max_wait_s: float) -> str:
+    """Wait until the machine is less than ``threshold`` busy (at most ``max_wait_s``); say what was found."""
+    deadline = time.monotonic() + max_wait_s
+    busy = machine_busy()
+    while busy >= threshold and time.monotonic() < deadline:
+        busy = machine_busy(2.0)
+    return f"{'quiet' if busy < threshold else 'BUSY'} ({busy:.0%} busy before)"
+
+
+def start_worker(processes: int, log_path: Path) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "runstate_project",
+        "worker",
+        "--pool=prefork",
+        f"--concurrency={processes}",
+        "--include=bench.celery",
+        f"--queues={QUEUE}",
+        "--loglevel=WARNING",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    ]
+    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it until it exits
+    return subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    worker.terminate()
+    try:
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+
+
+def in_threads(count: int, threads: int, action) -> None:
+    """Call ``action(i)`` for i in range(count), spread over ``threads`` threads."""
+    from django.db import connection
+
+    def work(start: int) -> None:
+        try:
+            for i in range(start, count, threads):
+                action(i)
+        finally:
+            connection.close()
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def run_plain(broker: redis.Redis, tasks: int, submitters: int) -> float:
+    broker.delete(COUNTER)
+    started = time.perf_counter()
+    in_threads(tasks, submitters, lambda i: plain_noop.apply_async())
+    wait_for(lambda: int(broker.get(COUNTER) or 0) >= tasks, 600, "the plain tasks")
+    return tasks / (time.perf_counter() - started)
+
+
+def run_runstate(tasks: int, submitters: int) -> tuple[float, float, bool]:
+    """Return (end-to-end tasks/s, submit-only tasks/s, exactly-once check)."""
+    from coordination.models import Event, Task
+    from coordination.services.runs import run_create
+
+    run = run_create(project_id=noop.project_id, name="bench")
+    submitted_at: list[float] = []
+    started = time.perf_counter()
+
+    def submit(i: int) -> None:
+        noop.submit(run.id, {})
+        if i == tasks - 1:
+            submitted_at.append(time.perf_counter())
+
+    in_threads(tasks, submitters, submit)
+    submit_done = max(submitted_at + [time.perf_counter()])
+    wait_for(lambda: Task.objects.filter(run=run, state="SUCCEEDED").count() >= tasks, 600, "the runstate tasks")
+    elapsed = time.perf_counter() - started
+    rows = Task.objects.filter(run=run)
+    events = Event.objects.filter(run_id=run.id, type="task.succeeded")
+    exactly_once = (
+        rows.count() == tasks
+        and not rows.exclude(state="SUCCEEDED", attempts=1).exists()
+        and events.count() == tasks
+        and events.values("subject_id").distinct().count() == tasks
+    )
+    return tasks / elapsed, tasks / (submit_done - started), exactly_once
+
+
+def warm_up(broker: redis.Redis) -> None:
+    """Wait until the worker runs tasks of both kinds (pool started, connections open)."""
+    run_plain(broker, 8, 1)
+    run_runstate(8, 1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.celery", description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks per scenario (default 2000)")
+    parser.add_argument("--processes", default="2,4", help="worker sizes, comma-separated (default 2,4)")
+    parser.add_argument("--submitters", type=int, default=2, help="threads sending or submitting (default 2)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds per size; the median is reported")
+    parser.add_argument("--record", action="store_true", help="append the figures to docs/benchmarks.md")
+    parser.add_argument("--quiet-threshold", type=float, default=0.25, help="wait for the machine below this busy")
+    parser.add_argument("--max-quiet-wait", type=float, default=300, help="seconds to wait for a quiet machine")
+    args = parser.parse_args(argv)
+    sizes = [int(size) for size in args.processes.split(",")]
+
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    broker_url = os.environ["CELERY_BROKER_URL"]
+    broker = redis.Redis.from_url(broker_url)
+    broker.flushdb()
+    log_path = ROOT / "var" / "bench-celery-worker.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"PostgreSQL {os.environ['DATABASE_URL'].rsplit('/', 1)[-1]}, broker {broker_url}, worker log {log_path}")
+    print(f"{args.tasks} tasks per scenario, {args.submitters} submitting threads, {os.cpu_count()} CPUs")
+
+    results = []
+    quiet_notes: list[str] = []
+    all_exact = True
+    for size in sizes:
+        worker = start_worker(size, log_path)
+        try:
+            warm_up(broker)
+            plain, guarded, submit_rate = [], [], []
+            for _ in range(args.repeat):
+                quiet = wait_for_quiet(args.quiet_threshold, args.max_quiet_wait)
+                plain.append(run_plain(broker, args.tasks, args.submitters))
+                rate, submitted, exact = run_runstate(args.tasks, args.submitters)
+                guarded.append(rate)
+                submit_rate.append(submitted)
+                all_exact = all_exact and exact
+                print(
+                    f"  {size} processes: plain {plain[-1]:7.0f} tasks/s   runstate {rate:6.0f} tasks/s "
+                    f"(submit only {submitted:5.0f}/s)   exactly once: {'yes' if exact else 'NO'}   {quiet}"
+                )
+                quiet_notes.append(quiet)
+        finally:
+            stop_worker(worker)
+        row = (size, statistics.median(plain), statistics.median(guarded), statistics.median(submit_rate))
+        results.append(row)
+
+    print()
+    print("\n".join(TABLE_HEADER))
+    lines = [
+        f"| {size} | {plain:.0f} | {guarded:.0f} | {guarded / plain:.2f} | {submitted:.0f} |"
+        for size, plain, guarded, submitted in results
+    ]
+    print("\n".join(lines))
+    if args.record:
+        record(args, lines, quiet_notes)
+    return 0 if all_exact else 1
+
+
+def record(args, lines: list[str], quiet_notes: list[str]) -> None:
+    try:
+        revision = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        revision = os.environ.get("BENCH_GIT_REVISION", "unknown")
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    section = [
+        "",
+        f"### `bench/celery.py` — {when}, revision {revision}",
+        "",
+        f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        f"{args.tasks} tasks per scenario, {args.submitters} submitting threads, median of {args.repeat}; "
+        f"machine before each round: {', '.join(quiet_notes)}.",
+        "",
+        *TABLE_HEADER,
+        *lines,
+        "",
+    ]
+    with open(RECORD_PATH, "a") as handle:
+        handle.write("\n".join(section))
+    print(f"recorded in {RECORD_PATH}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

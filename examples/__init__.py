@@ -1,0 +1,1 @@
+"""Example applications built on runstate (run each with ``python -m examples.<name>``)."""

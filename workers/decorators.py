@@ -1,0 +1,362 @@
+"""``@runstate_task``: a Celery task bound to a runstate ``WORK`` mailbox.
+
+A decorated function becomes a Celery task whose message carries only a runstate task id.
+Submitting (``task.submit``, the API, the SDK, a group member) creates the runstate task; a
+Celery message follows after commit (``workers.dispatch``). The worker claims that task by
+id under a lease and runs the function with a context (``workers.runtime``). The database
+decides everything; the message only wakes a worker.
+
+Which project a decorated task lives in: the ``project=`` argument, else the setting
+``RUNSTATE_DEFAULT_PROJECT`` (environment variable of the same name), else ``"default"``.
+The project and the mailbox are ensured lazily, on the first submit or execution in a process.
+
+A process knows a binding once it has imported the module that declares it: the worker
+through Celery (``--include``, ``CELERY_IMPORTS``, autodiscovery) and every process through
+``RUNSTATE_TASK_MODULES`` (imported when Django starts, see ``workers.apps``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from celery import shared_task
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+DEFAULT_PROJECT = "default"
+
+
+def default_project_name() -> str:
+    """Return the project of decorated tasks that name none."""
+    return getattr(settings, "RUNSTATE_DEFAULT_PROJECT", None) or os.environ.get(
+        "RUNSTATE_DEFAULT_PROJECT", DEFAULT_PROJECT
+    )
+
+
+class Registry:
+    """The decorated tasks this process knows, by ``(project name, mailbox name)``.
+
+    Lookups from the services start with the mailbox name alone (no query for a mailbox no
+    decorated task uses); a mailbox id is then resolved to its names once and cached, which
+    is safe because neither changes.
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str], RunstateTask] = {}
+        self._mailbox_names: set[str] = set()
+        self._key_by_mailbox_id: dict[uuid.UUID, tuple[str, str]] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._by_key)
+
+    def __iter__(self):
+        return iter(list(self._by_key.values()))
+
+    def register(self, task: RunstateTask) -> None:
+        """Bind ``task`` to its mailbox; another decorated task on the same mailbox is an error."""
+        with self._lock:
+            existing = self._by_key.get(task.key)
+            if existing is not None and existing.name != task.name:
+                raise ImproperlyConfigured(
+                    f"Mailbox {task.mailbox_name!r} of project {task.project_name!r} is already bound to "
+                    f"{existing.name!r}; one decorated task per mailbox."
+                )
+            self._by_key[task.key] = task
+            self._mailbox_names.add(task.mailbox_name)
+
+    def unregister(self, task: RunstateTask) -> None:
+        """Forget ``task`` (tests and examples that bind temporarily)."""
+        with self._lock:
+            if self._by_key.get(task.key) is task:
+                del self._by_key[task.key]
+                self._mailbox_names = {name for _, name in self._by_key}
+
+    def for_mailbox(self, mailbox_id: uuid.UUID, name: str | None = None) -> RunstateTask | None:
+        """Return the decorated task bound to the mailbox ``mailbox_id`` (named ``name`` if known), or None."""
+        if not self._by_key or (name is not None and name not in self._mailbox_names):
+            return None
+        key = self._key_by_mailbox_id.get(mailbox_id)
+        if key is None:
+            from coordination.models import Mailbox
+
+            row = Mailbox.objects.filter(id=mailbox_id).values_list("project__name", "name").first()
+            if row is None:
+                return None
+            key = self._key_by_mailbox_id[mailbox_id] = (row[0], row[1])
+        return self._by_key.get(key)
+
+    def mailbox_ids(self) -> list[uuid.UUID]:
+        """Return the ids of the bound mailboxes that exist (one query)."""
+        from django.db.models import Q
+
+        from coordination.models import Mailbox
+
+        keys = list(self._by_key)
+        if not keys:
+            return []
+        match = Q()
+        for project_name, mailbox_name in keys:
+            match |= Q(project__name=project_name, name=mailbox_name)
+        return list(Mailbox.objects.filter(match).values_list("id", flat=True))
+
+
+registry = Registry()
+
+
+def _kwarg_names(fn: Callable) -> tuple[frozenset[str], bool]:
+    """Return the keyword parameters ``fn`` declares after ``ctx``, and whether it takes ``**kwargs``."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    names = frozenset(
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+    return names, takes_any
+
+
+class RunstateTask:
+    """A function bound to a runstate ``WORK`` mailbox and run by Celery workers.
+
+    Call ``submit()`` to create work; call the object itself to run the function directly
+    (with a context you built, e.g. in a unit test).
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        mailbox: str,
+        project: str | None,
+        lease_ttl: float | None,
+        max_attempts: int | None,
+        name: str | None,
+        input_model: Any,
+        input_schema: dict | None,
+        retry_delay: float,
+        retry_delay_max: float,
+        celery_options: dict[str, Any],
+    ) -> None:
+        from coordination.exceptions import ValidationFailed
+        from coordination.services.mailboxes import (
+            NAME_PATTERN,
+            validate_lease_ttl_ms,
+            validate_max_attempts,
+        )
+
+        if not NAME_PATTERN.match(mailbox or ""):
+            raise ImproperlyConfigured(f"Invalid mailbox name {mailbox!r}.")
+        self.fn = fn
+        self.mailbox_name = mailbox
+        self.project_name = project or default_project_name()
+        self.lease_ttl_ms = round(lease_ttl * 1000) if lease_ttl is not None else None
+        try:
+            validate_lease_ttl_ms(self.lease_ttl_ms, field="lease_ttl")
+            validate_max_attempts(max_attempts)
+        except ValidationFailed as invalid:
+            raise ImproperlyConfigured(f"@runstate_task({mailbox!r}): {invalid.details}") from None
+        self.max_attempts = max_attempts
+        self.name = name or f"{fn.__module__}.{fn.__qualname__}"
+        self.input_model = input_model
+        self.input_schema = input_schema
+        self._schema_validator = _schema_validator(input_schema) if input_schema is not None else None
+        self.retry_delay = retry_delay
+        self.retry_delay_max = retry_delay_max
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.kwarg_names, self.takes_any_kwargs = _kwarg_names(fn)
+        self._ids: tuple[uuid.UUID, uuid.UUID] | None = None
+        self._ids_lock = threading.Lock()
+        self.celery_task = self._make_celery_task(celery_options)
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+        self.__module__ = fn.__module__
+        self.__wrapped__ = fn
+        registry.register(self)
+
+    def __repr__(self) -> str:
+        return f"<runstate task {self.name} on {self.project_name}/{self.mailbox_name}>"
+
+    def __call__(self, *args, **kwargs):
+        """Run the function itself, in this process."""
+        return self.fn(*args, **kwargs)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Return the registry key: ``(project name, mailbox name)``."""
+        return (self.project_name, self.mailbox_name)
+
+    def _make_celery_task(self, celery_options: dict[str, Any]):
+        bound = self
+
+        def run(celery_task, task_id: str) -> str:
+            from workers.runtime import execute
+
+            return execute(bound, task_id, celery_task.request)
+
+        run.__name__ = self.fn.__name__
+        run.__qualname__ = self.fn.__qualname__
+        run.__module__ = self.fn.__module__
+        run.__doc__ = self.fn.__doc__
+        options = {"ignore_result": True, "acks_late": True, **celery_options}
+        return shared_task(bind=True, name=self.name, **options)(run)
+
+    # The project and the mailbox, ensured once per process ---------------------------------
+
+    def ids(self) -> tuple[uuid.UUID, uuid.UUID]:
+        """Return ``(project id, mailbox id)``, ensuring both on first use in this process."""
+        if self._ids is None:
+            with self._ids_lock:
+                if self._ids is None:
+                    from coordination.services.keys import project_ensure
+                    from coordination.services.mailboxes import mailbox_ensure
+                    from coordination.states import MailboxMode
+
+                    project = project_ensure(name=self.project_name)
+                    mailbox, _ = mailbox_ensure(
+                        project_id=project.id,
+                        name=self.mailbox_name,
+                        mode=MailboxMode.WORK,
+                        lease_ttl_ms=self.lease_ttl_ms,
+                        max_attempts=self.max_attempts,
+                    )
+                    self._ids = (project.id, mailbox.id)
+        return self._ids
+
+    @property
+    def project_id(self) -> uuid.UUID:
+        """Return the project's id (ensured lazily)."""
+        return self.ids()[0]
+
+    def forget_ids(self) -> None:
+        """Drop the cached ids (after the database was reset, e.g. between tests)."""
+        self._ids = None
+
+    # Submitting ------------------------------------------------------------------------------
+
+    def validate_input(self, input: object) -> None:
+        """Raise ``ValidationFailed`` (400 ``VALIDATION_ERROR``) when ``input`` does not fit the model or schema."""
+        from coordination import exceptions
+
+        if self.input_model is not None:
+            try:
+                self.input_model.model_validate(input)
+            except Exception as error:  # noqa: BLE001 - pydantic's ValidationError or the model's own
+                errors = getattr(error, "errors", None)
+                detail = (
+                    "; ".join(
+                        f"{'.'.join(str(p) for p in e.get('loc', ())) or 'input'}: {e.get('msg')}" for e in errors()
+                    )
+                    if callable(errors)
+                    else str(error)
+                )
+                raise exceptions.ValidationFailed(
+                    f"Invalid input for {self.name}.", input=detail or "invalid"
+                ) from None
+        if self._schema_validator is not None:
+            problems = sorted(self._schema_validator.iter_errors(input), key=lambda e: list(e.absolute_path))
+            if problems:
+                detail = "; ".join(
+                    f"{'.'.join(str(p) for p in e.absolute_path) or 'input'}: {e.message}" for e in problems
+                )
+                raise exceptions.ValidationFailed(f"Invalid input for {self.name}.", input=detail)
+
+    def submit(
+        self,
+        run_id: uuid.UUID | str | Any,
+        input: object = None,
+        *,
+        key: str | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        expires_at: datetime | None = None,
+    ):
+        """Submit a runstate task under ``run_id``; a Celery worker is woken after commit. Return the Task.
+
+        The same ``key`` with the same input returns the existing task (and sends nothing);
+        a run that is a group's gate makes the task a member of that group.
+        """
+        from coordination.models import Mailbox
+        from coordination.services.tasks import task_submit
+
+        project_id, mailbox_id = self.ids()
+        mailbox = Mailbox.objects.get(id=mailbox_id)
+        run_id = getattr(run_id, "id", run_id)
+        task, _ = task_submit(
+            project_id=project_id,
+            mailbox=mailbox,
+            run_id=uuid.UUID(str(run_id)),
+            input={} if input is None else input,
+            key=key,
+            priority=priority,
+            max_attempts=max_attempts,
+            expires_at=expires_at,
+        )
+        return task
+
+    def kwargs_for(self, input: object) -> dict[str, Any]:
+        """Return the input keys the function declares as keyword arguments."""
+        if not isinstance(input, dict):
+            return {}
+        if self.takes_any_kwargs:
+            return dict(input)
+        return {k: v for k, v in input.items() if k in self.kwarg_names}
+
+    def retry_delay_ms(self, attempt: int) -> int:
+        """Return the delay before retrying after failed ``attempt`` (exponential, capped)."""
+        return round(min(self.retry_delay * 2 ** max(attempt - 1, 0), self.retry_delay_max) * 1000)
+
+
+def _schema_validator(schema: dict):
+    from jsonschema import validators
+
+    cls = validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def runstate_task(
+    fn: Callable | None = None,
+    *,
+    mailbox: str,
+    project: str | None = None,
+    lease_ttl: float | None = None,
+    max_attempts: int | None = None,
+    name: str | None = None,
+    input_model: Any = None,
+    input_schema: dict | None = None,
+    retry_delay: float = 1.0,
+    retry_delay_max: float = 300.0,
+    **celery_options: Any,
+):
+    """Turn ``fn(ctx, **input)`` into a Celery task bound to the runstate ``WORK`` mailbox ``mailbox``.
+
+    ``lease_ttl`` (seconds) is the claim's lease, renewed by a heartbeat at a third of it;
+    ``max_attempts`` is the mailbox's default. Both update the mailbox when given. An
+    exception records a failure and, while attempts remain, a retry after ``retry_delay``
+    seconds doubling per attempt up to ``retry_delay_max``. ``input_model`` (a pydantic
+    model, or anything with ``model_validate``) or ``input_schema`` (JSON Schema) validate
+    input at submit time, whatever the path. Other keywords go to Celery (``queue``,
+    ``soft_time_limit``, ``time_limit``, ...); Celery's own retries and ``revoke`` are never used.
+    """
+
+    def decorate(function: Callable) -> RunstateTask:
+        return RunstateTask(
+            function,
+            mailbox=mailbox,
+            project=project,
+            lease_ttl=lease_ttl,
+            max_attempts=max_attempts,
+            name=name,
+            input_model=input_model,
+            input_schema=input_schema,
+            retry_delay=retry_delay,
+            retry_delay_max=retry_delay_max,
+            celery_options=celery_options,
+        )
+
+    return decorate(fn) if fn is not None else decorate
