@@ -204,6 +204,30 @@ def event_list(
     return events, next_cursor
 
 
+def _committed_events() -> QuerySet[Event]:
+    """Return the events a cursor reader may see now (see ``event_list``)."""
+    queryset = Event.objects.all()
+    if connection.vendor == "postgresql":
+        queryset = queryset.filter(txid__lt=RawSQL("pg_snapshot_xmin(pg_current_snapshot())::text::bigint", []))
+    return queryset
+
+
+def event_head(visibility: Visibility) -> str:
+    """Return the cursor after the last event a reader may see now: "new events only" start there.
+
+    An event of a transaction still running has a txid above this cursor (it is at or above
+    the horizon), so a reader starting here still receives it once it commits.
+    """
+    queryset = _committed_events().filter(project_id=visibility.project_id)
+    last = queryset.order_by("-txid", "-id").only("id", "txid").first()
+    return event_cursor(last) if last is not None else EVENT_CURSOR_START
+
+
+def event_cursor_parse(cursor: str) -> None:
+    """Raise ``VALIDATION_ERROR`` unless ``cursor`` is a well-formed event cursor."""
+    _parse_event_cursor(cursor)
+
+
 # Work ------------------------------------------------------------------------------------
 
 

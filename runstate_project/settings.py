@@ -54,6 +54,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: the request id covers every other middleware's log lines, and the metrics time them.
+    "coordination.logging.RequestContextMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -84,7 +86,8 @@ WSGI_APPLICATION = "runstate_project.wsgi.application"
 ASGI_APPLICATION = "runstate_project.asgi.application"
 
 # Database: PostgreSQL when DATABASE_URL is set, otherwise an embedded SQLite file.
-SQLITE_PATH = VAR_DIR / "runstate.sqlite3"
+# RUNSTATE_SQLITE_PATH points a server at another SQLite file (tests serve their test database).
+SQLITE_PATH = Path(os.environ.get("RUNSTATE_SQLITE_PATH") or VAR_DIR / "runstate.sqlite3")
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
@@ -128,6 +131,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["coordination.api.parsers.SafeJSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "coordination.api.errors.exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": ["coordination.api.throttling.ApiKeyRateThrottle"],
     "UNAUTHENTICATED_USER": None,
     "DATETIME_FORMAT": "%Y-%m-%dT%H:%M:%S.%fZ",
 }
@@ -186,10 +190,27 @@ RUNSTATE_MAX_WAIT_MS = 30_000
 # get it from the periodic dispatch of upcoming timers (the 1 s sweep covers both anyway).
 RUNSTATE_ETA_HORIZON_S = int(os.environ.get("RUNSTATE_ETA_HORIZON_S", "300"))
 RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAYS", "7"))
+# Requests per API key per window ("<count>/<s|min|h|day>"; "off" disables): 429 RATE_LIMITED beyond.
+RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "6000/min")
+# Seconds without events after which an event stream sends a keepalive comment.
+RUNSTATE_SSE_HEARTBEAT_S = float(os.environ.get("RUNSTATE_SSE_HEARTBEAT_S", "15"))
 
+# One JSON object per line with the request id (LOG_FORMAT=text for plain lines).
+LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {"request_id": {"()": "coordination.logging.RequestIdFilter"}},
+    "formatters": {
+        "json": {"()": "coordination.logging.JsonFormatter"},
+        "text": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "filters": ["request_id"],
+            "formatter": "text" if LOG_FORMAT == "text" else "json",
+        }
+    },
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
 }

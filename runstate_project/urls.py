@@ -1,4 +1,4 @@
-"""Top-level routes: the API under ``/v1``, the admin under ``/admin``."""
+"""Top-level routes: the API under ``/v1``, the admin (and its dashboard) under ``/admin``."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -6,6 +6,7 @@ from django.views.generic import RedirectView
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("admin/dashboard/", include("coordination.dashboard.urls")),
     path("admin/", admin.site.urls),
     path("v1/", include("coordination.api.urls")),
 ]

@@ -2,22 +2,38 @@
 
 Runs are created through the API only; nothing here writes ``stored_state``: the actions
 call ``run_cancel`` and ``run_complete``, which also end the subtree's work in the same
-transaction.
+transaction. Both first show a confirmation page counting the work they will end.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count
+from django.http import Http404, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path
 from django.utils.html import format_html, format_html_join
-from django.utils.http import urlencode
+from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 
 from coordination.exceptions import CoordinationError
-from coordination.models import Run
+from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
 from coordination.selectors import EffectiveState, runs_effective
 from coordination.services.runs import run_cancel, run_complete
-from coordination.states import Effective
+from coordination.states import (
+    TASK_HELD,
+    BarrierState,
+    Effective,
+    GroupState,
+    MessageState,
+    RunState,
+    TaskState,
+    TimerState,
+)
 
-from .base import ServiceBackedAdmin, change_link, changelist_url, count_of, parse_uuid
+from .base import ServiceBackedAdmin, change_link, change_url, changelist_url, count_of, parse_uuid
 
 # The change page links this many children; the rest are one click away in the changelist.
 CHILDREN_SHOWN = 50
@@ -25,6 +41,58 @@ CHILDREN_SHOWN = 50
 RUNS_NAMED = 10
 # Where get_changelist_instance leaves each listed run's effective state for its column.
 EFFECTIVE_ATTR = "_admin_effective"
+
+
+@dataclass(frozen=True)
+class SubtreeWork:
+    """What ending a run would end: the unfinished work in its subtree (the run included)."""
+
+    runs: int  # runs in the subtree, the run itself included
+    active_runs: int  # of those, the ones whose own state is still ACTIVE
+    queued_tasks: int
+    running_tasks: int  # RUNNING or CANCELLATION_REQUESTED: their claims are refused from then on
+    queued_messages: int
+    armed_timers: int
+    waiting_barriers: int
+    open_groups: int  # OPEN or SEALED groups gated in the subtree: they finalize FAILURE
+
+    @property
+    def total(self) -> int:
+        """Return how many pieces of work (tasks, messages, timers, barriers, groups) would end."""
+        return (
+            self.queued_tasks
+            + self.running_tasks
+            + self.queued_messages
+            + self.armed_timers
+            + self.waiting_barriers
+            + self.open_groups
+        )
+
+
+def subtree_work(run: Run) -> SubtreeWork:
+    """Count the unfinished work below ``run`` (prefix queries on the materialized paths)."""
+    prefix = run.path
+    runs = dict(
+        Run.objects.filter(path__startswith=prefix).order_by().values_list("stored_state").annotate(n=Count("id"))
+    )
+    tasks = dict(
+        Task.objects.filter(run_path__startswith=prefix, state__in=[TaskState.QUEUED, *TASK_HELD])
+        .order_by()
+        .values_list("state")
+        .annotate(n=Count("id"))
+    )
+    return SubtreeWork(
+        runs=sum(runs.values()),
+        active_runs=runs.get(RunState.ACTIVE, 0),
+        queued_tasks=tasks.get(TaskState.QUEUED, 0),
+        running_tasks=sum(tasks.get(state, 0) for state in TASK_HELD),
+        queued_messages=Message.objects.filter(run_path__startswith=prefix, state=MessageState.QUEUED).count(),
+        armed_timers=Timer.objects.filter(run_path__startswith=prefix, state=TimerState.ARMED).count(),
+        waiting_barriers=Barrier.objects.filter(run_path__startswith=prefix, state=BarrierState.WAITING).count(),
+        open_groups=TaskGroup.objects.filter(scope__path__startswith=prefix)
+        .exclude(state=GroupState.FINALIZED)
+        .count(),
+    )
 
 
 def _effective_summary(state: EffectiveState) -> str:
@@ -128,9 +196,80 @@ class RunAdmin(ServiceBackedAdmin):
 
     # Actions -------------------------------------------------------------------------------
 
-    @admin.action(description="Cancel selected runs (and their subtrees)", permissions=["change"])
+    def get_urls(self):
+        """Add ``<id>/end/cancel/`` and ``<id>/end/complete/``: one run's confirmation page."""
+        end = path(
+            "<path:object_id>/end/<str:verb>/",
+            self.admin_site.admin_view(self.end_view),
+            name=f"{self.opts.app_label}_{self.opts.model_name}_end",
+        )
+        # Before the default routes: their "<path:object_id>/" would match this path too.
+        return [end, *super().get_urls()]
+
+    @admin.action(description="Cancel selected runs (and their subtrees)…", permissions=["change"])
     def cancel_selected(self, request, queryset):
-        reason = f"cancelled by {request.user.get_username()} in admin"
+        if request.POST.get("confirm") != "yes":
+            return self._confirmation(request, list(queryset.order_by("depth", "created_at", "id")), verb="cancel")
+        self._cancel_each(request, queryset)
+        return None
+
+    @admin.action(description="Complete selected runs (and end their subtrees' work)…", permissions=["change"])
+    def complete_selected(self, request, queryset):
+        if request.POST.get("confirm") != "yes":
+            return self._confirmation(request, list(queryset.order_by("depth", "created_at", "id")), verb="complete")
+        self._complete_each(request, queryset)
+        return None
+
+    def end_view(self, request, object_id: str, verb: str):
+        """Confirm, then cancel or complete one run: the dashboard's run tree links here."""
+        if verb not in ("cancel", "complete"):
+            raise Http404("Only cancel and complete end a run.")
+        run = self.get_object(request, object_id)
+        if run is None:
+            raise Http404("No such run.")
+        if not self.has_change_permission(request, run):
+            raise PermissionDenied
+        if request.method == "POST" and request.POST.get("confirm") == "yes":
+            queryset = Run.objects.filter(id=run.id)
+            if verb == "cancel":
+                self._cancel_each(request, queryset)
+            else:
+                self._complete_each(request, queryset)
+            return HttpResponseRedirect(self._next_url(request, run))
+        return self._confirmation(request, [run], verb=verb, single=True)
+
+    def _next_url(self, request, run: Run) -> str:
+        wanted = request.POST.get("next") or request.GET.get("next") or ""
+        if wanted and url_has_allowed_host_and_scheme(wanted, {request.get_host()}, request.is_secure()):
+            return wanted
+        return change_url(run)
+
+    def _confirmation(self, request, runs: Sequence[Run], *, verb: str, single: bool = False):
+        """Render the page that counts, per run, the work the cancel or complete would end."""
+        rows = [(run, runs_effective([run])[run.id], subtree_work(run)) for run in runs]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{verb.capitalize()} {count_of(len(runs), 'run')}?",
+            "opts": self.opts,
+            "verb": verb,
+            "rows": rows,
+            "single": single,
+            "runs_named": [str(run) for run in runs],
+            "selected_ids": [str(run.pk) for run in runs],
+            "action": f"{verb}_selected",
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "next": request.GET.get("next") or request.POST.get("next") or "",
+            "default_reason": self._default_reason(request),
+            "nested": len(runs) > 1,
+        }
+        return TemplateResponse(request, "admin/runstate/run_end_confirmation.html", context)
+
+    @staticmethod
+    def _default_reason(request) -> str:
+        return f"cancelled by {request.user.get_username()} in admin"
+
+    def _cancel_each(self, request, queryset) -> None:
+        reason = (request.POST.get("reason") or "").strip() or self._default_reason(request)
         self._end_each(
             request,
             queryset,
@@ -139,8 +278,7 @@ class RunAdmin(ServiceBackedAdmin):
             end=lambda run: run_cancel(run_id=run.id, project_id=run.project_id, reason=reason),
         )
 
-    @admin.action(description="Complete selected runs", permissions=["change"])
-    def complete_selected(self, request, queryset):
+    def _complete_each(self, request, queryset) -> None:
         self._end_each(
             request,
             queryset,

@@ -13,7 +13,9 @@ from datetime import datetime
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.db.models import Count, Min, Q
+from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
@@ -218,6 +220,25 @@ class MailboxAdmin(ServiceBackedAdmin):
 
 # Tasks -----------------------------------------------------------------------------------
 
+# The cancel page lists this many of the selected tasks.
+TASKS_NAMED_ON_FORM = 50
+
+
+class TaskCancelForm(forms.Form):
+    """The cancel action's intermediate form: what ``task_cancel`` takes besides the task."""
+
+    reason = forms.CharField(
+        required=False, max_length=500, help_text="Recorded on the task and its event; blank names you and the admin."
+    )
+    grace_ms = forms.IntegerField(
+        label="graceMs",
+        required=False,
+        min_value=0,
+        max_value=86_400_000,
+        help_text="Optional. A running task that has not returned this many milliseconds after the request is "
+        "recorded CANCELLED and its claim is lost from then on; blank waits for the worker (or its lease).",
+    )
+
 
 @admin.register(Task)
 class TaskAdmin(ServiceBackedAdmin):
@@ -291,13 +312,17 @@ class TaskAdmin(ServiceBackedAdmin):
 
     # Actions -------------------------------------------------------------------------------
 
-    @admin.action(description="Cancel selected tasks (cooperative)", permissions=["change"])
+    @admin.action(description="Cancel selected tasks (cooperative, with grace)…", permissions=["change"])
     def cancel_selected(self, request, queryset):
-        reason = f"cancelled by {request.user.get_username()} in admin"
+        form = TaskCancelForm(request.POST if "apply" in request.POST else None)
+        if not form.is_valid():
+            return self._cancel_form(request, queryset, form)
+        reason = form.cleaned_data["reason"] or f"cancelled by {request.user.get_username()} in admin"
+        grace_ms = form.cleaned_data["grace_ms"]
         outcomes: dict[str, list[str]] = defaultdict(list)
         for task in _tasks_of(queryset):
             try:
-                after = task_cancel(project_id=task.project_id, task_id=task.id, reason=reason)
+                after = task_cancel(project_id=task.project_id, task_id=task.id, reason=reason, grace_ms=grace_ms)
             except CoordinationError as error:
                 outcomes["failed"].append(f"{task}: {error.code} ({error.message})")
                 continue
@@ -308,6 +333,7 @@ class TaskAdmin(ServiceBackedAdmin):
             else:
                 kind = "requested"
             outcomes[kind].append(str(after))
+        grace = "" if grace_ms is None else f"; recorded CANCELLED if still running after {grace_ms} ms"
         self._report(
             request,
             outcomes,
@@ -315,12 +341,28 @@ class TaskAdmin(ServiceBackedAdmin):
                 "cancelled": (messages.SUCCESS, "Cancelled {} (they were queued)"),
                 "requested": (
                     messages.SUCCESS,
-                    "Asked {} to stop (running: the worker learns it at its next renewal)",
+                    "Asked {} to stop (running: the worker learns it at its next renewal" + grace + ")",
                 ),
                 "unchanged": (messages.INFO, "Left {} unchanged (finished, or already asked to stop)"),
                 "failed": (messages.ERROR, "Could not cancel {}"),
             },
         )
+        return None
+
+    def _cancel_form(self, request, queryset, form):
+        """Render the intermediate page: the selected tasks, a reason and the grace."""
+        tasks = list(queryset.select_related(None).order_by("id")[:TASKS_NAMED_ON_FORM])
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Cancel {count_of(queryset.count(), 'task')}?",
+            "opts": self.opts,
+            "form": form,
+            "tasks": tasks,
+            "more": max(0, queryset.count() - len(tasks)),
+            "selected_ids": [str(pk) for pk in queryset.values_list("pk", flat=True)],
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/runstate/task_cancel_form.html", context)
 
     @admin.action(description="Release selected claims (put running tasks back in the queue)", permissions=["change"])
     def release_selected(self, request, queryset):

@@ -3,11 +3,12 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from coordination.api.views import clock, events, groups, health, messages, runs, work
+from coordination.api.views import clock, events, groups, health, messages, metrics, runs, stream, work
 
 urlpatterns = [
     path("healthz", health.HealthView.as_view(), name="healthz"),
     path("readyz", health.ReadyView.as_view(), name="readyz"),
+    path("metrics", metrics.MetricsView.as_view(), name="metrics"),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("runs", runs.RunCollectionView.as_view(), name="runs"),
@@ -16,6 +17,7 @@ urlpatterns = [
     path("runs/<str:run_id>/cancel", runs.RunCancelView.as_view(), name="run-cancel"),
     path("runs/<str:run_id>/complete", runs.RunCompleteView.as_view(), name="run-complete"),
     path("events", events.EventListView.as_view(), name="events"),
+    path("events/stream", stream.EventStreamView.as_view(), name="events-stream"),
     path("mailboxes/<str:name>", work.MailboxView.as_view(), name="mailbox"),
     path("mailboxes/<str:name>/tasks", work.TaskSubmitView.as_view(), name="mailbox-tasks"),
     path("mailboxes/<str:name>/claims", work.ClaimCollectionView.as_view(), name="mailbox-claims"),

@@ -31,9 +31,9 @@ def messages_of(response):
     return [(message.level, message.message) for message in response.context["messages"]]
 
 
-def post_action(client, changelist, action, objects):
+def post_action(client, changelist, action, objects, **extra):
     return client.post(
-        changelist, {"action": action, "_selected_action": [str(obj.pk) for obj in objects]}, follow=True
+        changelist, {"action": action, "_selected_action": [str(obj.pk) for obj in objects], **extra}, follow=True
     )
 
 
@@ -159,7 +159,7 @@ def test_run_change_form_saves_the_name_only(admin_client, project, tree):
 def test_cancel_action_cancels_the_run_and_makes_its_subtree_inactive(admin_client, project, tree):
     parent, child = tree
 
-    response = post_action(admin_client, RUNS, "cancel_selected", [parent])
+    response = post_action(admin_client, RUNS, "cancel_selected", [parent], confirm="yes")
 
     assert response.status_code == 200
     assert Run.objects.get(id=parent.id).stored_state == RunState.CANCELLED
@@ -175,7 +175,7 @@ def test_complete_action_on_a_cancelled_run_reports_the_failure_and_changes_noth
     parent, _ = tree
     run_cancel(run_id=parent.id, project_id=project.id)
 
-    response = post_action(admin_client, RUNS, "complete_selected", [parent])
+    response = post_action(admin_client, RUNS, "complete_selected", [parent], confirm="yes")
 
     assert Run.objects.get(id=parent.id).stored_state == RunState.CANCELLED
     assert not Event.objects.filter(type="run.completed", run_id=parent.id).exists()
@@ -188,7 +188,7 @@ def test_complete_action_on_a_cancelled_run_reports_the_failure_and_changes_noth
 def test_complete_action_completes_an_active_run(admin_client, project, tree):
     parent, _ = tree
 
-    post_action(admin_client, RUNS, "complete_selected", [parent])
+    post_action(admin_client, RUNS, "complete_selected", [parent], confirm="yes")
 
     assert Run.objects.get(id=parent.id).stored_state == RunState.COMPLETED
     assert Event.objects.filter(type="run.completed", run_id=parent.id).count() == 1
@@ -198,7 +198,7 @@ def test_cancel_action_on_a_completed_run_reports_scope_completed(admin_client, 
     parent, _ = tree
     run_complete(run_id=parent.id, project_id=project.id)
 
-    response = post_action(admin_client, RUNS, "cancel_selected", [parent])
+    response = post_action(admin_client, RUNS, "cancel_selected", [parent], confirm="yes")
 
     assert [level for level, _ in messages_of(response)] == [messages.ERROR]
     assert "SCOPE_COMPLETED" in messages_of(response)[0][1]

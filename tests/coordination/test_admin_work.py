@@ -32,9 +32,9 @@ def messages_of(response):
     return [(message.level, message.message) for message in response.context["messages"]]
 
 
-def post_action(client, changelist, action, objects):
+def post_action(client, changelist, action, objects, **extra):
     return client.post(
-        changelist, {"action": action, "_selected_action": [str(obj.pk) for obj in objects]}, follow=True
+        changelist, {"action": action, "_selected_action": [str(obj.pk) for obj in objects], **extra}, follow=True
     )
 
 
@@ -251,7 +251,7 @@ def test_cancel_action_cancels_a_queued_task_and_asks_a_running_one_to_stop(admi
     running = claim().task
     queued = submit()
 
-    response = post_action(admin_client, TASKS, "cancel_selected", [queued, running])
+    response = post_action(admin_client, TASKS, "cancel_selected", [queued, running], apply="1")
 
     queued.refresh_from_db()
     running.refresh_from_db()
@@ -278,7 +278,7 @@ def test_cancel_action_leaves_finished_tasks_unchanged(admin_client, project, su
     claimed = claim()
     done = claim_complete(project_id=project.id, claim_id=claimed.claim_id, outcome={})
 
-    response = post_action(admin_client, TASKS, "cancel_selected", [done])
+    response = post_action(admin_client, TASKS, "cancel_selected", [done], apply="1")
 
     assert Task.objects.get(id=done.id).state == TaskState.SUCCEEDED
     assert not Event.objects.filter(subject_id=str(done.id), type__startswith="task.cancel").exists()

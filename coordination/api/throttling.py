@@ -1,0 +1,152 @@
+"""Per-key rate limits: ``429 RATE_LIMITED`` with ``Retry-After``.
+
+Each API key may make ``RUNSTATE_RATE_LIMIT`` requests (``"<count>/<period>"``, period
+``s``, ``min``, ``h`` or ``day``; ``"0"`` or ``"off"`` disables) per window. A window
+starts with the key's first request and lasts one period; ``Retry-After`` says when it
+ends. The count lives in Redis when the broker is Redis (``CELERY_BROKER_URL`` is
+``redis://`` or ``rediss://``), so every API process shares it; otherwise each process
+counts on its own. If Redis does not answer, the process falls back to its own count
+rather than refusing or waiting: a limit is a guard, not a dependency.
+"""
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+from rest_framework.throttling import BaseThrottle
+
+logger = logging.getLogger(__name__)
+
+_PERIODS_S = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
+_PERIODS_S |= {"d": 86400, "day": 86400}
+REDIS_TIMEOUT_S = 0.25
+# After a Redis error, count locally for this long before trying Redis again.
+REDIS_BACKOFF_S = 5.0
+
+
+@dataclass(frozen=True)
+class Rate:
+    """``count`` requests per ``period_s`` seconds."""
+
+    count: int
+    period_s: int
+
+
+def parse_rate(text: str) -> Rate | None:
+    """Parse ``"6000/min"``; return None when limits are off (``"0"``, ``"off"``, empty)."""
+    text = (text or "").strip().lower()
+    if text in {"", "0", "off", "none"}:
+        return None
+    try:
+        count_text, period_text = text.split("/", 1)
+        count = int(count_text)
+        multiple = "".join(ch for ch in period_text if ch.isdigit()) or "1"
+        unit = period_text.lstrip("0123456789")
+        period_s = int(multiple) * _PERIODS_S[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"RUNSTATE_RATE_LIMIT must look like '6000/min', not {text!r}") from None
+    if count <= 0:
+        return None
+    return Rate(count, period_s)
+
+
+class LocalWindows:
+    """Windows counted in this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._windows: dict[str, tuple[float, int]] = {}
+
+    def hit(self, key: str, rate: Rate) -> tuple[int, float]:
+        """Count one request; return the window's count and the seconds until it ends."""
+        now = time.monotonic()
+        with self._lock:
+            ends_at, count = self._windows.get(key, (0.0, 0))
+            if ends_at <= now:
+                ends_at, count = now + rate.period_s, 0
+                if len(self._windows) > 100_000:  # forget ended windows now and then
+                    self._windows = {k: v for k, v in self._windows.items() if v[0] > now}
+            count += 1
+            self._windows[key] = (ends_at, count)
+        return count, ends_at - now
+
+
+class RedisWindows:
+    """Windows counted in Redis, shared by every process using the same broker."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self._client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+
+    def hit(self, key: str, rate: Rate) -> tuple[int, float]:
+        """Count one request; return the window's count and the seconds until it ends."""
+        name = f"runstate:ratelimit:{key}:{rate.count}/{rate.period_s}"
+        pipe = self._client.pipeline(transaction=True)
+        # SET NX starts the window with its expiry; INCR keeps the expiry.
+        pipe.set(name, 0, ex=rate.period_s, nx=True)
+        pipe.incr(name)
+        pipe.pttl(name)
+        _, count, ttl_ms = pipe.execute()
+        return int(count), max(ttl_ms, 0) / 1000
+
+
+class Limiter:
+    """Redis windows when the broker is Redis, else (and while Redis fails) local ones."""
+
+    def __init__(self) -> None:
+        self.local = LocalWindows()
+        self._redis: RedisWindows | None = None
+        self._redis_url: str | None = None
+        self._redis_down_until = 0.0
+
+    def _shared(self) -> RedisWindows | None:
+        url = settings.CELERY_BROKER_URL
+        if not url.startswith(("redis://", "rediss://")):
+            return None
+        if time.monotonic() < self._redis_down_until:
+            return None
+        if self._redis is None or self._redis_url != url:
+            self._redis, self._redis_url = RedisWindows(url), url
+        return self._redis
+
+    def hit(self, key: str, rate: Rate) -> tuple[int, float]:
+        """Count one request of ``key``; return the window's count and seconds until it ends."""
+        shared = self._shared()
+        if shared is not None:
+            try:
+                return shared.hit(key, rate)
+            except Exception:  # noqa: BLE001 - any Redis failure: count locally for a while
+                logger.warning("rate limit: Redis unavailable, counting in-process", exc_info=True)
+                self._redis_down_until = time.monotonic() + REDIS_BACKOFF_S
+        return self.local.hit(key, rate)
+
+
+limiter = Limiter()
+
+
+class ApiKeyRateThrottle(BaseThrottle):
+    """Limit each API key to ``RUNSTATE_RATE_LIMIT`` requests per window."""
+
+    def __init__(self) -> None:
+        self._wait: float | None = None
+
+    def allow_request(self, request, view) -> bool:  # noqa: D102
+        principal = request.user
+        api_key = getattr(principal, "api_key", None)
+        if api_key is None:
+            return True  # unauthenticated views (health, schema, metrics); auth refuses the rest
+        rate = parse_rate(settings.RUNSTATE_RATE_LIMIT)
+        if rate is None:
+            return True
+        count, remaining_s = limiter.hit(str(api_key.id), rate)
+        if count <= rate.count:
+            return True
+        self._wait = max(1, math.ceil(remaining_s))
+        return False
+
+    def wait(self) -> float | None:  # noqa: D102
+        return self._wait

@@ -1,0 +1,49 @@
+"""``/v1/metrics``: Prometheus' text format, no key needed."""
+
+from django.http import HttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from prometheus_client import CONTENT_TYPE_LATEST
+from rest_framework.negotiation import BaseContentNegotiation
+from rest_framework.permissions import AllowAny
+from rest_framework.renderers import BaseRenderer
+from rest_framework.views import APIView
+
+from coordination import metrics
+
+
+class PrometheusTextRenderer(BaseRenderer):
+    media_type = "text/plain"
+    format = "txt"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):  # noqa: D102
+        return data
+
+
+class FirstRenderer(BaseContentNegotiation):
+    """Answer in the text format whatever the client accepts (scrapers send varied Accept headers)."""
+
+    def select_parser(self, request, parsers):  # noqa: D102
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):  # noqa: D102
+        return renderers[0], renderers[0].media_type
+
+
+class MetricsView(APIView):
+    """Every ``runstate_*`` metric (see ``coordination.metrics`` for where each comes from)."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    throttle_classes: list = []
+    renderer_classes = [PrometheusTextRenderer]
+    content_negotiation_class = FirstRenderer
+
+    @extend_schema(
+        operation_id="metrics",
+        responses={(200, "text/plain"): OpenApiResponse(OpenApiTypes.STR, description="Prometheus text format 0.0.4.")},
+    )
+    def get(self, request):
+        """Return the metrics for Prometheus (``runstate_*``)."""
+        return HttpResponse(metrics.render(), content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,92 @@
+"""``/v1/events/stream``: the event log as Server-Sent Events."""
+
+from asgiref.sync import sync_to_async
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import serializers
+
+from coordination import selectors
+from coordination.api.longpoll import _close_connection, in_request
+from coordination.api.presenters import present_event
+from coordination.api.sse import BATCH, event_frames, event_stream_response
+from coordination.api.views.base import ERRORS, AsyncApiView
+from coordination.states import Permission
+
+STREAM_DESCRIPTION = """\
+Server-Sent Events, one frame per event, oldest first:
+
+```
+id: <event id>
+event: <type>
+data: <the event as JSON, as in GET /v1/events>
+```
+
+The stream starts after `Last-Event-ID` (the header a browser's EventSource sends when it
+reconnects) or `?after=`, else with new events only. A reader that reconnects with the last
+id it received misses nothing and sees nothing twice. A comment line (`: keepalive`) is sent
+after 15 s without events. Needs `coordination_read`.
+"""
+
+
+class EventStreamQuery(serializers.Serializer):
+    """Query of ``GET /v1/events/stream``."""
+
+    after = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    types = serializers.CharField(required=False, allow_blank=True, max_length=2000)
+    runId = serializers.CharField(required=False, max_length=100)
+
+
+class EventStreamView(AsyncApiView):
+    """Stream events as they commit, resumable with ``Last-Event-ID``."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ}
+
+    @extend_schema(
+        operation_id="events_stream",
+        description=STREAM_DESCRIPTION,
+        parameters=[
+            EventStreamQuery,
+            OpenApiParameter(
+                "Last-Event-ID",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                description="Resume after this event id (wins over `after`).",
+            ),
+        ],
+        responses={
+            (200, "text/event-stream"): OpenApiResponse(
+                OpenApiTypes.STR, description="An endless stream of `id`/`event`/`data` frames."
+            ),
+            **ERRORS,
+        },
+    )
+    async def get(self, request):
+        """Stream events after ``Last-Event-ID`` / ``after`` (else new ones), filtered by ``types`` and ``runId``."""
+        query = self.query(EventStreamQuery)
+        visibility = self.visibility
+        after = request.headers.get("Last-Event-ID") or query.get("after") or None
+        types = [t for t in (query.get("types") or "").split(",") if t]
+        run_id = query.get("runId")
+
+        def start() -> str:
+            # Refuse a malformed cursor or an unknown run now, with a JSON error, rather
+            # than inside the stream once its 200 is sent.
+            if run_id is not None:
+                selectors.run_get(visibility, run_id)
+            if after is not None:
+                selectors.event_cursor_parse(after)
+                return after
+            return selectors.event_head(visibility)
+
+        cursor = await in_request(start)
+        # From here on the stream borrows a connection only for each read.
+        await sync_to_async(_close_connection)()
+
+        def read(after_cursor: str):
+            return selectors.event_list(visibility, after=after_cursor, types=types, run_id=run_id, limit=BATCH)
+
+        def present(event):
+            body = present_event(event)
+            return body["id"], event.type, body
+
+        return event_stream_response(event_frames(read, after=cursor, present=present))

@@ -1,0 +1,128 @@
+"""Structured JSON logs and the request id that ties a request's lines together.
+
+``RequestContextMiddleware`` takes the caller's ``X-Request-ID`` (or makes one), keeps it
+in a context variable for the request's duration, answers it in the ``X-Request-ID``
+response header, counts the request for ``/v1/metrics`` and logs one line per request.
+``JsonFormatter`` writes every log record as one JSON object with that ``requestId``.
+"""
+
+import contextvars
+import json
+import logging
+import re
+import time
+import traceback
+import uuid
+from datetime import UTC, datetime
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+REQUEST_ID_HEADER = "X-Request-ID"
+# An id from the caller is kept when it is a plain token; anything else is replaced.
+_ACCEPTABLE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+# Attributes every LogRecord has; anything else on a record was passed as ``extra``.
+_RECORD_FIELDS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "request_id"}
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("runstate_request_id", default=None)
+request_logger = logging.getLogger("runstate.request")
+
+
+def current_request_id() -> str | None:
+    """Return the id of the request being handled, if any."""
+    return request_id_var.get()
+
+
+class RequestIdFilter(logging.Filter):
+    """Put the current request id on every record as ``request_id``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id_var.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """Format a record as one line of JSON: time, level, logger, message, requestId, extras."""
+
+    def format(self, record: logging.LogRecord) -> str:  # noqa: D102
+        written = datetime.fromtimestamp(record.created, UTC)
+        body = {
+            "time": written.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None) or request_id_var.get()
+        if request_id:
+            body["requestId"] = request_id
+        for key, value in vars(record).items():
+            if key not in _RECORD_FIELDS and not key.startswith("_"):
+                body[key] = value
+        if record.exc_info:
+            body["exception"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
+        return json.dumps(body, default=str)
+
+
+def _route_of(request) -> str:
+    match = getattr(request, "resolver_match", None)
+    return match.route if match is not None and match.route else "unmatched"
+
+
+class RequestContextMiddleware:
+    """Request id in and out, one log line and the request metrics for every request."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request):  # noqa: D102
+        if self.is_async:
+            return self.__acall__(request)
+        token, started = self._begin(request)
+        try:
+            response = self.get_response(request)
+            return self._end(request, response, started)
+        finally:
+            request_id_var.reset(token)
+
+    async def __acall__(self, request):  # noqa: D102
+        token, started = self._begin(request)
+        try:
+            response = await self.get_response(request)
+            return self._end(request, response, started)
+        finally:
+            request_id_var.reset(token)
+
+    @staticmethod
+    def _begin(request):
+        given = request.headers.get(REQUEST_ID_HEADER, "")
+        request.request_id = given if _ACCEPTABLE_ID.match(given) else uuid.uuid4().hex
+        return request_id_var.set(request.request_id), time.perf_counter()
+
+    @staticmethod
+    def _end(request, response, started: float):
+        from coordination.metrics import observe_request
+
+        seconds = time.perf_counter() - started
+        response[REQUEST_ID_HEADER] = request.request_id
+        route = _route_of(request)
+        observe_request(method=request.method, route=route, status=response.status_code, seconds=seconds)
+        request_logger.info(
+            "%s %s %s",
+            request.method,
+            request.path,
+            response.status_code,
+            extra={
+                "method": request.method,
+                "path": request.path,
+                "route": route,
+                "status": response.status_code,
+                "durationMs": round(seconds * 1000, 1),
+            },
+        )
+        return response

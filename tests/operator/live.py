@@ -1,0 +1,89 @@
+"""A real uvicorn process serving the suite's test database (PostgreSQL or the SQLite file)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def database_env() -> dict[str, str]:
+    """Return the environment that points a child process at the test database."""
+    s = connection.settings_dict
+    if connection.vendor == "postgresql":
+        auth = s["USER"] or ""
+        if s.get("PASSWORD"):
+            auth += f":{s['PASSWORD']}"
+        host = s["HOST"] or "127.0.0.1"
+        port = s["PORT"] or 5432
+        return {"DATABASE_URL": f"postgres://{auth}@{host}:{port}/{s['NAME']}"}
+    return {"DATABASE_URL": "", "RUNSTATE_SQLITE_PATH": str(s["NAME"])}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+
+@contextmanager
+def uvicorn_server(log_dir: Path, **env):
+    """Run ``uvicorn runstate_project.asgi:application`` on a free port until the block ends."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "uvicorn.log"
+    child_env = {
+        **os.environ,
+        **database_env(),
+        "DJANGO_SETTINGS_MODULE": "runstate_project.settings",
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
+    command = [sys.executable, "-m", "uvicorn", "runstate_project.asgi:application"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = Server(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"uvicorn exited ({process.returncode}):\n{server.log()}")
+            try:
+                if httpx.get(f"{server.url}/v1/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not answer within 60 s:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
