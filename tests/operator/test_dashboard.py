@@ -206,3 +206,10 @@ def test_cancelling_a_task_takes_a_grace_from_the_intermediate_form(admin_client
 
 def test_every_admin_page_links_the_dashboard(admin_client):
     assert b'href="/admin/dashboard/"' in admin_client.get("/admin/").content
+
+
+def test_a_runs_page_links_its_confirmation_pages(admin_client, swarm):
+    root, _, _ = swarm
+    html = admin_client.get(f"/admin/coordination/run/{root.id}/change/").content.decode()
+    assert f'href="/admin/coordination/run/{root.id}/end/cancel/"' in html
+    assert f'href="/admin/coordination/run/{root.id}/end/complete/"' in html
