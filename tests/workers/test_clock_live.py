@@ -19,8 +19,8 @@ from coordination.services.tasks import task_claim, task_submit
 from coordination.services.timers import timer_create
 from tests.workers.live import ROOT, beat_command, child_env, processes, purge_broker, wait_until, worker_command
 
-# serialized_rollback: the periodic sweeps registered by the migration survive each flush.
-pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True, serialized_rollback=True)]
+# Beat registers its periodic sweeps when it starts, so a flushed test database is fine.
+pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture

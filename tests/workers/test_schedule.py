@@ -1,0 +1,23 @@
+"""The periodic sweeps are registered in code: by the migrations, and again when beat starts."""
+
+import pytest
+from django_celery_beat.models import PeriodicTask
+
+from workers.schedule import PERIODIC_SWEEPS, ensure_periodic_sweeps
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_migrations_registered_every_sweep():
+    registered = dict(PeriodicTask.objects.filter(name__startswith="runstate:").values_list("name", "task"))
+    assert registered == {name: task for name, task, *_ in PERIODIC_SWEEPS}
+
+
+def test_ensure_restores_lost_or_changed_rows_and_is_idempotent():
+    PeriodicTask.objects.filter(name="runstate: fire due timers").delete()
+    PeriodicTask.objects.filter(name="runstate: expired leases").update(enabled=False)
+    assert ensure_periodic_sweeps() == 2
+    assert ensure_periodic_sweeps() == 0
+    leases = PeriodicTask.objects.get(name="runstate: expired leases")
+    assert leases.enabled and leases.interval.every == 1
+    assert PeriodicTask.objects.filter(name="runstate: fire due timers", task="runstate.sweep_timers").exists()
