@@ -76,8 +76,9 @@ RECORD_PATH = ROOT / "docs" / "benchmarks.md"
 QUEUE = "bench-celery"
 COUNTER = "bench-celery:plain-done"
 TABLE_HEADER = [
-    "| processes | plain Celery no-op, tasks/s | `@runstate_task` no-op, tasks/s | ratio | submit only, tasks/s |",
-    "| --- | --- | --- | --- | --- |",
+    "| processes | pipeline: plain no-op | pipeline: `@runstate_task` no-op | ratio | submit only "
+    "| drain: plain no-op | drain: `@runstate_task` no-op | ratio |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
 ]
 
 
@@ -183,30 +184,49 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def run_plain(broker: redis.Redis, tasks: int, submitters: int) -> float:
+def pause_consuming() -> None:
+    """Have the worker stop taking messages from the benchmark queue (Celery remote control)."""
+    from runstate_project.celery import app
+
+    if not app.control.cancel_consumer(QUEUE, reply=True, limit=1, timeout=10):
+        raise SystemExit("the worker did not answer cancel_consumer")
+
+
+def resume_consuming() -> None:
+    from runstate_project.celery import app
+
+    if not app.control.add_consumer(QUEUE, reply=True, limit=1, timeout=10):
+        raise SystemExit("the worker did not answer add_consumer")
+
+
+def run_plain(broker: redis.Redis, tasks: int, submitters: int, drain: bool = False) -> float:
+    """Return tasks/s: from the first send to the last run, or (``drain``) of a queue filled beforehand."""
     broker.delete(COUNTER)
+    if drain:
+        pause_consuming()
     started = time.perf_counter()
     in_threads(tasks, submitters, lambda i: plain_noop.apply_async())
+    if drain:
+        started = time.perf_counter()
+        resume_consuming()
     wait_for(lambda: int(broker.get(COUNTER) or 0) >= tasks, 600, "the plain tasks")
     return tasks / (time.perf_counter() - started)
 
 
-def run_runstate(tasks: int, submitters: int) -> tuple[float, float, bool]:
-    """Return (end-to-end tasks/s, submit-only tasks/s, exactly-once check)."""
+def run_runstate(tasks: int, submitters: int, drain: bool = False) -> tuple[float, float, bool]:
+    """Return (tasks/s as ``run_plain`` measures it, submit-only tasks/s, exactly-once check)."""
     from coordination.models import Event, Task
     from coordination.services.runs import run_create
 
     run = run_create(project_id=noop.project_id, name="bench")
-    submitted_at: list[float] = []
-    started = time.perf_counter()
-
-    def submit(i: int) -> None:
-        noop.submit(run.id, {})
-        if i == tasks - 1:
-            submitted_at.append(time.perf_counter())
-
-    in_threads(tasks, submitters, submit)
-    submit_done = max(submitted_at + [time.perf_counter()])
+    if drain:
+        pause_consuming()
+    started = submit_started = time.perf_counter()
+    in_threads(tasks, submitters, lambda i: noop.submit(run.id, {}))
+    submit_done = time.perf_counter()
+    if drain:
+        started = time.perf_counter()
+        resume_consuming()
     wait_for(lambda: Task.objects.filter(run=run, state="SUCCEEDED").count() >= tasks, 600, "the runstate tasks")
     elapsed = time.perf_counter() - started
     rows = Task.objects.filter(run=run)
@@ -217,7 +237,7 @@ def run_runstate(tasks: int, submitters: int) -> tuple[float, float, bool]:
         and events.count() == tasks
         and events.values("subject_id").distinct().count() == tasks
     )
-    return tasks / elapsed, tasks / (submit_done - started), exactly_once
+    return tasks / elapsed, tasks / (submit_done - submit_started), exactly_once
 
 
 def warm_up(broker: redis.Redis) -> None:
@@ -256,31 +276,32 @@ def main(argv=None) -> int:
         worker = start_worker(size, log_path)
         try:
             warm_up(broker)
-            plain, guarded, submit_rate = [], [], []
+            rounds = []
             for _ in range(args.repeat):
                 quiet = wait_for_quiet(args.quiet_threshold, args.max_quiet_wait)
-                plain.append(run_plain(broker, args.tasks, args.submitters))
-                rate, submitted, exact = run_runstate(args.tasks, args.submitters)
-                guarded.append(rate)
-                submit_rate.append(submitted)
-                all_exact = all_exact and exact
-                print(
-                    f"  {size} processes: plain {plain[-1]:7.0f} tasks/s   runstate {rate:6.0f} tasks/s "
-                    f"(submit only {submitted:5.0f}/s)   exactly once: {'yes' if exact else 'NO'}   {quiet}"
-                )
                 quiet_notes.append(quiet)
+                plain = run_plain(broker, args.tasks, args.submitters)
+                guarded, submitted, exact = run_runstate(args.tasks, args.submitters)
+                plain_drain = run_plain(broker, args.tasks, args.submitters, drain=True)
+                guarded_drain, _, exact_drain = run_runstate(args.tasks, args.submitters, drain=True)
+                all_exact = all_exact and exact and exact_drain
+                rounds.append((plain, guarded, submitted, plain_drain, guarded_drain))
+                print(
+                    f"  {size} processes: pipeline plain {plain:5.0f}/s runstate {guarded:4.0f}/s "
+                    f"(submit only {submitted:4.0f}/s); drain plain {plain_drain:5.0f}/s runstate "
+                    f"{guarded_drain:4.0f}/s; exactly once: {'yes' if exact and exact_drain else 'NO'}; {quiet}"
+                )
         finally:
             stop_worker(worker)
-        row = (size, statistics.median(plain), statistics.median(guarded), statistics.median(submit_rate))
-        results.append(row)
+        results.append((size, *(statistics.median(column) for column in zip(*rounds, strict=True))))
 
-    print()
-    print("\n".join(TABLE_HEADER))
     lines = [
-        f"| {size} | {plain:.0f} | {guarded:.0f} | {guarded / plain:.2f} | {submitted:.0f} |"
-        for size, plain, guarded, submitted in results
+        f"| {size} | {plain:.0f} | {guarded:.0f} | {guarded / plain:.2f} | {submitted:.0f} "
+        f"| {plain_drain:.0f} | {guarded_drain:.0f} | {guarded_drain / plain_drain:.2f} |"
+        for size, plain, guarded, submitted, plain_drain, guarded_drain in results
     ]
-    print("\n".join(lines))
+    print()
+    print("\n".join([*TABLE_HEADER, *lines]))
     if args.record:
         record(args, lines, quiet_notes)
     return 0 if all_exact else 1
