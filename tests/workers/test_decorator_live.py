@@ -34,10 +34,10 @@ from workers.dispatch import send_work
 
 BROKER_URL = settings.CELERY_BROKER_URL
 
-# serialized_rollback: the periodic sweeps registered by migrations survive each flush.
+# Beat registers the periodic sweeps when it starts, so a flushed test database is fine.
 pytestmark = [
     pytest.mark.postgres_only,
-    pytest.mark.django_db(transaction=True, serialized_rollback=True),
+    pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(
         not BROKER_URL.startswith("redis://"),
         reason="needs CELERY_BROKER_URL on Redis: the worker must consume what this process dispatches",
