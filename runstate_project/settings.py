@@ -91,6 +91,16 @@ SQLITE_PATH = Path(os.environ.get("RUNSTATE_SQLITE_PATH") or VAR_DIR / "runstate
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+    RUNSTATE_DB_POOL_SIZE = int(os.environ.get("RUNSTATE_DB_POOL_SIZE", "30"))
+    if RUNSTATE_DB_POOL_SIZE > 0 and DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        # Under ASGI every request runs in a thread of its own: a burst of requests would
+        # open a connection each and exhaust the server's max_connections. The pool caps a
+        # process's connections; a request beyond the cap waits for one (up to the timeout).
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": 1,
+            "max_size": RUNSTATE_DB_POOL_SIZE,
+            "timeout": float(os.environ.get("RUNSTATE_DB_POOL_TIMEOUT_S", "30")),
+        }
 else:
     DATABASES = {
         "default": {

@@ -122,7 +122,10 @@ def test_a_rolled_back_event_wakes_nobody(project):
         waiter = hub.subscribe([run.id])
         try:
             await hub.ready()
-            waiter.event.clear()  # the listener wakes everyone once when it connects
+            # The listener wakes everyone once when it connects, and run_create's own
+            # notification may still be on its way: let those arrive, then start clean.
+            await asyncio.sleep(0.5)
+            waiter.event.clear()
 
             def write_and_roll_back():
                 try:

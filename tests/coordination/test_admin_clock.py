@@ -16,17 +16,12 @@ from coordination.services.barriers import barrier_arrive, barrier_create, barri
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.timers import timer_create
 from coordination.states import BarrierState, TimerState
+from workers.schedule import PERIODIC_SWEEPS
 
 BARRIERS = reverse("admin:coordination_barrier_changelist")
 TIMERS = reverse("admin:coordination_timer_changelist")
 PERIODIC_TASKS = reverse("admin:django_celery_beat_periodictask_changelist")
-SWEEPS = {
-    "runstate: fire due timers",
-    "runstate: expired leases",
-    "runstate: deadlines and expiries",
-    "runstate: dispatch upcoming timers",
-    "runstate: prune old events",
-}
+SWEEPS = {name for name, *_ in PERIODIC_SWEEPS}
 
 
 def change_url(obj):
