@@ -28,16 +28,16 @@ def _ensure_periodic_sweeps(sender=None, **kwargs) -> None:
 
 @worker_init.connect
 def _keep_database_connections(sender=None, **kwargs) -> None:
-    """Let worker threads keep their database connection between tasks.
+    """Give each worker thread or process one persistent database connection.
 
-    The API runs each request in a thread of its own, so there ``CONN_MAX_AGE`` stays 0; a
-    worker's pool threads live on, and reconnecting for every sweep or wake-up would cost
-    more than the work itself.
+    The connection pool exists for the API, where every request runs in a thread of its
+    own; a worker's pool threads (or forked processes) live on, so a persistent connection
+    each is simpler and cheaper, and a pool must not cross a fork anyway.
     """
     from django.conf import settings
-
-    max_age = int(os.environ.get("RUNSTATE_WORKER_CONN_MAX_AGE", "300"))
-    settings.DATABASES["default"]["CONN_MAX_AGE"] = max_age
     from django.db import connections
 
-    connections["default"].settings_dict["CONN_MAX_AGE"] = max_age
+    max_age = int(os.environ.get("RUNSTATE_WORKER_CONN_MAX_AGE", "300"))
+    for settings_dict in (settings.DATABASES["default"], connections["default"].settings_dict):
+        settings_dict.get("OPTIONS", {}).pop("pool", None)
+        settings_dict["CONN_MAX_AGE"] = max_age
