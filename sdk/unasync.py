@@ -37,6 +37,8 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\b__anext__\b", "__next__"),
     (r"\bStopAsyncIteration\b", "StopIteration"),
     (r"\baclose\b", "close"),
+    (r"\baiter_lines\b", "iter_lines"),
+    (r"\baread\b", "read"),
 ]
 
 

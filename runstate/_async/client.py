@@ -1,5 +1,6 @@
 """``AsyncRunstate``: the async client and its top-level namespaces."""
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
@@ -59,6 +60,32 @@ class AsyncEvents:
             for event in page["events"]:  # noqa: UP028 - an async generator cannot "yield from"
                 yield event
             cursor = page["nextCursor"]
+
+    async def stream(
+        self,
+        *,
+        after: str | None = None,
+        types: str | Iterable[str] | None = None,
+        run_id: str | None = None,
+    ) -> AsyncIterator[JsonDict]:
+        """Yield events from the Server-Sent Events stream (``GET /v1/events/stream``), forever.
+
+        Starts after the cursor ``after``, or with new events only when ``None``. A dropped
+        connection is resumed from the last event received (``Last-Event-ID``), so nothing is
+        skipped or repeated; errors answered by the server (401, 403, 404...) are raised.
+        """
+        params: dict[str, Any] = compact(types=csv(types), runId=run_id)
+        last_id = after
+        failures = 0
+        while True:
+            try:
+                async for event in self._http.event_stream("/events/stream", params=params, last_event_id=last_id):
+                    last_id = event["id"]
+                    failures = 0
+                    yield event
+            except httpx.TransportError:
+                failures += 1
+                await asyncio.sleep(min(0.1 * 2**failures, 5.0))
 
     async def list(
         self,

@@ -8,7 +8,8 @@ without an idempotency key never do.
 """
 
 import asyncio
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import AsyncIterator, Callable, Mapping
 from time import monotonic
 from typing import Any
 
@@ -100,3 +101,27 @@ class AsyncHttp:
             if deadline is not None and monotonic() >= deadline:
                 state = answer.get("state")
                 raise TimeoutError(f"{what} did not finish within {timeout_ms} ms (state {state}).")
+
+    async def event_stream(self, path: str, *, params: Params, last_event_id: str | None) -> AsyncIterator[JsonDict]:
+        """Yield the events of one Server-Sent Events connection until the server closes it.
+
+        Error answers raise the mapped error; comments (heartbeats) are skipped. The read
+        timeout is off: the server sends a heartbeat comment every 15 s.
+        """
+        # JSON too: an error answered before the stream starts comes as the usual envelope.
+        headers = {"Accept": "text/event-stream, application/json"}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
+        timeout = httpx.Timeout(self.config.timeout, connect=self.config.connect_timeout, read=None)
+        async with self._client.stream("GET", path, params=params, headers=headers, timeout=timeout) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise error_from_response(response)
+            data: list[str] = []
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    data.append(line[5:].lstrip(" "))
+                elif not line and data:
+                    event: JsonDict = json.loads("\n".join(data))
+                    data = []
+                    yield event

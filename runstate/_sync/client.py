@@ -1,6 +1,7 @@
 # Generated from runstate/_async/client.py by sdk/unasync.py: edit that file, then regenerate.
 """``Runstate``: the sync client and its top-level namespaces."""
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Self
@@ -60,6 +61,32 @@ class Events:
             for event in page["events"]:  # noqa: UP028 - an async generator cannot "yield from"
                 yield event
             cursor = page["nextCursor"]
+
+    def stream(
+        self,
+        *,
+        after: str | None = None,
+        types: str | Iterable[str] | None = None,
+        run_id: str | None = None,
+    ) -> Iterator[JsonDict]:
+        """Yield events from the Server-Sent Events stream (``GET /v1/events/stream``), forever.
+
+        Starts after the cursor ``after``, or with new events only when ``None``. A dropped
+        connection is resumed from the last event received (``Last-Event-ID``), so nothing is
+        skipped or repeated; errors answered by the server (401, 403, 404...) are raised.
+        """
+        params: dict[str, Any] = compact(types=csv(types), runId=run_id)
+        last_id = after
+        failures = 0
+        while True:
+            try:
+                for event in self._http.event_stream("/events/stream", params=params, last_event_id=last_id):
+                    last_id = event["id"]
+                    failures = 0
+                    yield event
+            except httpx.TransportError:
+                failures += 1
+                time.sleep(min(0.1 * 2**failures, 5.0))
 
     def list(
         self,

@@ -8,8 +8,9 @@ transport errors and 429/502/503/504; creates, claims, receives and submits or s
 without an idempotency key never do.
 """
 
+import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from time import monotonic
 from typing import Any
 
@@ -101,3 +102,27 @@ class Http:
             if deadline is not None and monotonic() >= deadline:
                 state = answer.get("state")
                 raise TimeoutError(f"{what} did not finish within {timeout_ms} ms (state {state}).")
+
+    def event_stream(self, path: str, *, params: Params, last_event_id: str | None) -> Iterator[JsonDict]:
+        """Yield the events of one Server-Sent Events connection until the server closes it.
+
+        Error answers raise the mapped error; comments (heartbeats) are skipped. The read
+        timeout is off: the server sends a heartbeat comment every 15 s.
+        """
+        # JSON too: an error answered before the stream starts comes as the usual envelope.
+        headers = {"Accept": "text/event-stream, application/json"}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
+        timeout = httpx.Timeout(self.config.timeout, connect=self.config.connect_timeout, read=None)
+        with self._client.stream("GET", path, params=params, headers=headers, timeout=timeout) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise error_from_response(response)
+            data: list[str] = []
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    data.append(line[5:].lstrip(" "))
+                elif not line and data:
+                    event: JsonDict = json.loads("\n".join(data))
+                    data = []
+                    yield event

@@ -350,3 +350,25 @@ def test_the_sync_client_has_the_same_surface_as_the_async_one():
     for async_cls, sync_cls in pairs:
         public = {name for name in dir(async_cls) if not name.startswith("_")} - {"aclose"}
         assert public <= set(dir(sync_cls)), (async_cls, public - set(dir(sync_cls)))
+
+
+def test_events_stream_yields_sse_events_and_resumes_after_a_cursor(sdk):
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            cursor = (await rs.events.list(limit=1000))["nextCursor"]
+            run = await rs.scopes.create()
+            await run.child()
+            await run.cancel()
+            stream = rs.events.stream(after=cursor, run_id=run.id)
+            seen = [await asyncio.wait_for(anext(stream), EVENT_BUDGET_S) for _ in range(3)]
+            await stream.aclose()
+            assert [e["type"] for e in seen] == ["run.created", "run.created", "run.cancelled"]
+            # Resuming after the first event gives exactly the two that followed it.
+            resumed = rs.events.stream(after=seen[0]["id"], run_id=run.id)
+            again = [await asyncio.wait_for(anext(resumed), EVENT_BUDGET_S) for _ in range(2)]
+            await resumed.aclose()
+            assert [e["id"] for e in again] == [e["id"] for e in seen[1:]]
+            with pytest.raises(NotFoundError):
+                await anext(rs.events.stream(run_id="00000000-0000-7000-8000-000000000000"))
+
+    asyncio.run(scenario())
