@@ -1,6 +1,7 @@
 """Groups decided exactly once under races: real threads, real connections."""
 
 import random
+import time
 
 import pytest
 from django.db import connection
@@ -204,10 +205,15 @@ def test_parent_cancel_racing_the_deciding_accept(world):
             project, mailbox, members=2, succeed=[0], parent_id=parent.id, condition="FIRST_ACCEPTED"
         )
 
-        def accept(group_id=group.id, task_id=tasks[0].id):
+        # A random head start for either side, so both orders occur whatever the machine's timing.
+        head_start = random.uniform(-0.005, 0.005)
+
+        def accept(group_id=group.id, task_id=tasks[0].id, delay=max(0.0, head_start)):
+            time.sleep(delay)
             group_verdict(project_id=project.id, group_id=group_id, task_id=task_id, verdict=Verdict.ACCEPTED)
 
-        def cancel(parent_id=parent.id):
+        def cancel(parent_id=parent.id, delay=max(0.0, -head_start)):
+            time.sleep(delay)
             run_cancel(run_id=parent_id, project_id=project.id)
 
         run_in_threads([accept, cancel])

@@ -1,6 +1,8 @@
 """Work handed out once under races: real threads, real connections."""
 
 import itertools
+import random
+import time
 
 import pytest
 
@@ -79,13 +81,18 @@ def test_run_cancel_racing_task_complete_200_rounds_exactly_one_outcome(world):
         (task,) = submit_many(project, mailbox, run, 1)
         (claim,) = task_claim(project_id=project.id, mailbox=mailbox, run_id=run.id)
 
-        def complete(claim=claim):
+        # A random head start for either side, so both orders occur whatever the machine's timing.
+        head_start = random.uniform(-0.005, 0.005)
+
+        def complete(claim=claim, delay=max(0.0, head_start)):
+            time.sleep(delay)
             try:
                 return claim_complete(project_id=project.id, claim_id=claim.claim_id, outcome="done").state
             except exceptions.ScopeCancelled:
                 return "refused"
 
-        def cancel(run=run):
+        def cancel(run=run, delay=max(0.0, -head_start)):
+            time.sleep(delay)
             run_cancel(run_id=run.id, project_id=project.id)
 
         outcome, _ = run_in_threads([complete, cancel])
