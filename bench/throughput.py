@@ -1262,7 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     service_sql = count_service_statements(args.batch)
     costs, costs_note = time_service_calls(args.batch)
-    http_sql = count_http_statements(args.batch) if args.http else None
+    http_sql = count_http_statements(args.batch)  # in-process: needs no server
     statements = statements_table(service_sql, http_sql, args.batch, costs, costs_note)
     if args.http_db_pool:
         statements += "\n\n(The in-process HTTP counts use the project's settings, without the connection pool.)"
