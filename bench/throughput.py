@@ -1156,7 +1156,7 @@ def record_section(
         f"- PostgreSQL {facts['server_version']} on the same machine "
         f"(synchronous_commit={facts['synchronous_commit']}, "
         f"fsync={facts['fsync']}, shared_buffers={facts['shared_buffers']})\n"
-        f"- Python {platform.python_version()}, Django {django_version()}, commit {git_revision()}\n"
+        f"- Python {platform.python_version()}, Django {django_version()}\n"
         f"- Command: `python -m bench.throughput {' '.join(sys.argv[1:])}`\n"
         f"- Settings: service N={service_n}, HTTP N={http_n}, batch B={args.batch}, W={args.workers}, "
         f"{baseline}, uvicorn processes={args.http_processes}"
@@ -1164,7 +1164,7 @@ def record_section(
     )
     body = "\n".join(
         [
-            f"## {now}",
+            f"### `bench/throughput.py` — {now}, commit {git_revision()}",
             "",
             machine,
             "",
