@@ -21,7 +21,9 @@ loops over scenarios until the time is up:
   result wait on peer must be released by the cancel, the worker must be refused, and
   Celery tasks submitted under the child race the cancel;
 * ``celery``: tasks submitted to a mailbox bound to ``@runstate_task`` (run by the two
-  Celery workers), results awaited on peer.
+  Celery workers), results awaited on peer;
+* ``clock``: a barrier whose wait on peer is released by arrivals through home, and a timer
+  and a group deadline that only the sweeps (beat and the workers) act on, awaited on peer.
 
 Every HTTP answer's status is counted by the transport under the SDK (retries included),
 every SDK call is timed per operation, and what each call answered is written to the
@@ -30,6 +32,7 @@ every SDK call is timed per operation, and what each call answered is written to
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
 import random
@@ -58,7 +61,7 @@ TASK_MODULE = "tests.reliability.swarm_tasks"
 LEDGER_ENV = "RUNSTATE_SWARM_LEDGER"
 # Every wait must be released well before this; it only bounds a hang.
 WAIT_LIMIT_MS = 60_000
-SCENARIOS = ("work", "group", "cancel", "celery", "work", "group")
+SCENARIOS = ("work", "group", "cancel", "celery", "clock", "work", "group")
 GROUP_CONDITIONS = ("ALL_TERMINAL", "N_ACCEPTED", "FIRST_ACCEPTED")
 
 
@@ -334,8 +337,32 @@ class Waits:
     def pairs(self) -> Counter[tuple[str, str, str]]:
         return Counter((r.kind, r.wait_server, r.decide_server) for r in self.records if r.released)
 
-    def release_latencies(self) -> list[float]:
-        return [max(r.release_s, 0.0) for r in self.records if r.released and r.release_s is not None]
+    def release_latencies(self, kind: str | None = None) -> list[float]:
+        return [
+            max(r.release_s, 0.0)
+            for r in self.records
+            if r.released and r.release_s is not None and kind in (None, r.kind)
+        ]
+
+    def release_table(self) -> str:
+        """Return, per kind of wait, how many were released and how long after the deciding answer."""
+        rows = [
+            "| wait | released | waiting server -> deciding server | release after the deciding answer p50 / p99 ms |",
+            "| --- | ---: | --- | --- |",
+        ]
+        for kind in sorted({r.kind for r in self.records}):
+            records = [r for r in self.records if r.kind == kind]
+            released = sum(r.released for r in records)
+            pairs = Counter(f"{r.wait_server}->{r.decide_server}" for r in records if r.released)
+            latencies = self.release_latencies(kind)
+            timing = (
+                f"{percentile(latencies, 0.5) * 1000:.0f} / {percentile(latencies, 0.99) * 1000:.0f}"
+                if latencies
+                else "- (decided by a worker or a sweep)"
+            )
+            where = ", ".join(f"{pair} {n}" for pair, n in sorted(pairs.items()))
+            rows.append(f"| {kind} | {released} of {len(records)} | {where} | {timing} |")
+        return "\n".join(rows)
 
 
 # Clients ----------------------------------------------------------------------------------------
@@ -393,6 +420,11 @@ class SwarmClient:
         # makes every kind of wait on both servers.
         shift = (self.index // 2) % len(SCENARIOS)
         order = SCENARIOS[shift:] + SCENARIOS[:shift]
+        try:
+            parked = self.park()
+        except Exception:  # noqa: BLE001 - reported at the end
+            self.stats.fail(f"client {self.index} park: {traceback.format_exc()}")
+            parked = None
         turn = 0
         while time.monotonic() < self.until:
             name = order[turn % len(order)]
@@ -402,6 +434,44 @@ class SwarmClient:
                 self.stats.scenarios[name] += 1
             except Exception:  # noqa: BLE001 - every unexpected error is a test failure, reported at the end
                 self.stats.fail(f"client {self.index} {name}: {traceback.format_exc()}")
+        if parked is not None:
+            try:
+                self.unpark(*parked)
+            except Exception:  # noqa: BLE001 - reported at the end
+                self.stats.fail(f"client {self.index} unpark: {traceback.format_exc()}")
+
+    def park(self):
+        """Open a group wait on peer that stays parked for the whole run (decided by ``unpark``).
+
+        With every client holding one, the servers carry N long-polls beyond the swarm's own
+        traffic on their small connection pools; runs longer than the server's 30 s cap make
+        the SDK poll again.
+        """
+        run = self.call("run.create", self.home.scopes.create, name=f"parked-{self.index}")
+        group = self.call(
+            "group.create",
+            run.groups.create,
+            mailbox=GROUP_MAILBOX,
+            condition="FIRST_ACCEPTED",
+            expected_members=1,
+            parent_scope_id=run.id,
+        )
+        gate_id = group.data["scopeId"]
+        member = self.member(group, {"m": 0}, key="m0", gate_id=gate_id)
+        gate = self.home.scope(gate_id)
+        claims = []
+        while not claims:
+            claims = self.claim(gate.tasks, GROUP_MAILBOX, run_id=gate_id, max=1, wait_ms=2000)
+        self.complete(claims[0], {"member": member.id})
+        record = self.waits.add(WaitRecord("group-parked", group.id, self.peer_name, self.home_name))
+        return group, member.id, record, self.group_wait(record, group.id)
+
+    def unpark(self, group, member_id: str, record: WaitRecord, waiting: Future) -> None:
+        answer, decided_at = self.verdict(group, member_id, "accept")
+        self.settle(record, waiting, decided_at)
+        if record.state != "FINALIZED" or answer["outcome"] != "SUCCESS":
+            record.released = False
+            self.stats.fail(f"parked group {group.id}: decided {answer['outcome']}, the wait saw {record.state}")
 
     # Recorded operations ----------------------------------------------------------------------
 
@@ -663,7 +733,7 @@ class SwarmClient:
         tickets = [self.submit(child.tasks, WORK_MAILBOX, {"n": n}, run_id=child.id) for n in range(6)]
         # Work for the Celery workers too, racing the cancel (each ends SUCCEEDED or CANCELLED).
         for i in range(2):
-            self.submit(child.tasks, CELERY_MAILBOX, {"i": i}, run_id=child.id, label="celery.submit")
+            self.submit(child.tasks, CELERY_MAILBOX, {"i": i, "seconds": 0.3}, run_id=child.id, label="celery.submit")
         group_record = self.waits.add(WaitRecord("group-cancel", group.id, self.peer_name, self.home_name))
         group_wait = self.group_wait(group_record, group.id)
         result_record = self.waits.add(WaitRecord("result-cancel", tickets[-1].id, self.peer_name, self.home_name))
@@ -726,11 +796,114 @@ class SwarmClient:
                 self.stats.fail(f"celery task {record.subject} ended {task['state']}: {task['error']}")
         self.end_run(run, "complete")
 
+    def clock(self) -> None:
+        """A barrier released through home, a timer and a group deadline fired by the sweeps; waits on peer."""
+        from runstate import ConflictError
+
+        run = self.call("run.create", self.home.scopes.create, name=f"clock-{self.index}")
+        deadline = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
+        group = self.call(
+            "group.create",
+            run.groups.create,
+            mailbox=GROUP_MAILBOX,
+            condition="FIRST_ACCEPTED",
+            deadline=deadline,
+            parent_scope_id=run.id,
+        )
+        try:
+            self.member(group, {"m": 0}, key="m0", gate_id=group.data["scopeId"])
+        except ConflictError as exc:
+            # On a busy machine the deadline may pass first; the group is decided all the same.
+            if exc.code != "GROUP_CLOSED":
+                raise
+        group_record = self.waits.add(WaitRecord("group-deadline", group.id, self.peer_name, "sweep"))
+        group_wait = self.group_wait(group_record, group.id)
+        timer = self.call("timer.create", run.timers.create, after_seconds=1)
+        timer_record = self.waits.add(WaitRecord("timer", timer.id, self.peer_name, "sweep"))
+        peer_timer = self.peer.timers.get(timer.id)
+        timer_wait = self.wait_on_peer(
+            timer_record, lambda: peer_timer.wait(timeout_ms=WAIT_LIMIT_MS), lambda t: t["fired_at"] is not None
+        )
+        barrier = self.call("barrier.create", run.barriers.create, target=2)
+        barrier_record = self.waits.add(WaitRecord("barrier", barrier.id, self.peer_name, self.home_name))
+        peer_barrier = self.peer.barriers.get(barrier.id)
+        barrier_wait = self.wait_on_peer(
+            barrier_record,
+            lambda: peer_barrier.wait(timeout_ms=WAIT_LIMIT_MS),
+            lambda b: b["state"] == "RELEASED",
+        )
+        for key in ("a", "b"):
+            self.call("barrier.arrive", barrier.arrive, key)
+        self.settle(barrier_record, barrier_wait, time.monotonic())
+        self.settle(timer_record, timer_wait, None)
+        answer = self.settle(group_record, group_wait, None)
+        if answer is not None and (answer["outcome"], answer["outcomeReason"]) != ("FAILURE", "deadline"):
+            group_record.released = False
+            self.stats.fail(f"group {group.id}: past its deadline the wait saw {answer['outcome']}")
+        self.end_run(run, "complete")
+
     def _celery_wait(self, record: WaitRecord, ticket) -> dict:
         task = self.call("wait.celery-result", ticket.result, timeout_ms=WAIT_LIMIT_MS)
         record.state = task["state"]
         record.released = task["state"] == "SUCCEEDED"
         return task
+
+
+class EventFollower(threading.Thread):
+    """Read the project's event log page by page, each page through the other server.
+
+    The cursor one server answered is continued on the other, so nothing about a reader may
+    live in a server process. ``drain`` reads on after the swarm until every event the
+    database holds was seen (or a limit passes), then reports what was missed or repeated.
+    """
+
+    def __init__(self, servers: list[str], api_key: str, stats: Stats) -> None:
+        from runstate import Runstate
+
+        super().__init__(name="swarm-events", daemon=True)
+        self.clients = [
+            Runstate(url, api_key, transport=CountingTransport(stats, f"api{i}")) for i, url in enumerate(servers)
+        ]
+        self.stats = stats
+        self.seen: list[str] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        cursor, turn = None, 0
+        try:
+            while not self.stopping.is_set():
+                client = self.clients[turn % len(self.clients)]
+                turn += 1
+                with self.stats.timed("events.list"):
+                    page = client.events.list(after=cursor, limit=1000, wait_ms=1000)
+                self.seen.extend(event["id"] for event in page["events"])
+                cursor = page["nextCursor"]
+        except Exception:  # noqa: BLE001 - reported at the end
+            self.stats.fail(f"event follower: {traceback.format_exc()}")
+
+    def drain(self, database_cursors: Callable[[], set[str]], timeout_s: float = 60) -> tuple[int, int]:
+        """Follow until every event in ``database_cursors()`` was seen; return (events, pages seen twice)."""
+        deadline = time.monotonic() + timeout_s
+        expected = database_cursors()
+        while time.monotonic() < deadline and not expected <= set(self.seen):
+            time.sleep(0.5)
+            expected = database_cursors()
+        self.stopping.set()
+        self.join(10)
+        for client in self.clients:
+            client.close()
+        seen = set(self.seen)
+        missed = expected - seen
+        repeated = len(self.seen) - len(seen)
+        if missed:
+            self.stats.fail(
+                f"the event follower never saw {len(missed)} of {len(expected)} events: {sorted(missed)[:5]}"
+            )
+        if repeated:
+            self.stats.fail(f"the event follower saw {repeated} events twice")
+        if self.seen != sorted(self.seen, key=lambda c: tuple(int(part) for part in c.split("-"))):
+            self.stats.fail("the event follower saw events out of cursor order")
+        return len(expected), repeated
 
 
 @dataclass
@@ -741,11 +914,11 @@ class SwarmResult:
     stats: Stats
     waits: Waits
     celery_pids: Counter[int]
+    events: int
 
     def summary(self) -> str:
         released = len(self.waits.records) - len(self.waits.unreleased())
         latencies = self.waits.release_latencies()
-        pairs = ", ".join(f"{kind} {w}->{d}: {n}" for (kind, w, d), n in sorted(self.waits.pairs().items()))
         scenarios = ", ".join(f"{name} {n}" for name, n in sorted(self.stats.scenarios.items()))
         return "\n".join(
             [
@@ -754,10 +927,12 @@ class SwarmResult:
                 f"waits released: {released} of {len(self.waits.records)} "
                 f"(release after the deciding answer: p50 {percentile(latencies, 0.5) * 1000:.0f} ms, "
                 f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms)",
-                f"waits by kind, waiting server -> deciding server: {pairs}",
-                f"Celery tasks per worker pid: {dict(self.celery_pids)}",
+                f"Celery tasks per worker pid: {dict(self.celery_pids)}; "
+                f"events followed through both servers in turn: {self.events}",
                 "",
                 self.stats.table(),
+                "",
+                self.waits.release_table(),
             ]
         )
 
@@ -768,8 +943,13 @@ def run_swarm(
     api_keys: list[str],
     seconds: float,
     ledger: Any,
+    database_cursors: Callable[[], set[str]],
 ) -> SwarmResult:
-    """Run ``len(api_keys)`` clients (client ``i`` on ``servers[i % 2]``) for ``seconds``; return what they saw."""
+    """Run ``len(api_keys)`` clients (client ``i`` on ``servers[i % 2]``) for ``seconds``; return what they saw.
+
+    An event follower reads the whole log meanwhile; ``database_cursors()`` answers the
+    cursors of every event of the project in the database, which it must all have seen.
+    """
     from runstate import Runstate
 
     stats, waits = Stats(), Waits()
@@ -779,6 +959,8 @@ def run_swarm(
         setup.mailboxes.ensure(WORK_MAILBOX, mode="WORK", lease_ttl_ms=30_000, max_attempts=3)
         setup.mailboxes.ensure(GROUP_MAILBOX, mode="WORK", lease_ttl_ms=30_000, max_attempts=1)
         setup.mailboxes.ensure(CELERY_MAILBOX, mode="WORK", lease_ttl_ms=10_000, max_attempts=3)
+    follower = EventFollower(servers, api_keys[0], stats)
+    follower.start()
     start = time.monotonic()
     until = start + seconds
     with ThreadPoolExecutor(max_workers=4 * len(api_keys), thread_name_prefix="swarm-wait") as pool:
@@ -804,7 +986,9 @@ def run_swarm(
                 stats.fail(f"{thread.name} still running {seconds + 300:g} s after the end")
         for client in clients:
             client.close()
+    elapsed = time.monotonic() - start
+    events, _ = follower.drain(database_cursors)
     pids: Counter[int] = Counter()
     for client in clients:
         pids.update(client.celery_pids)
-    return SwarmResult(len(api_keys), seconds, time.monotonic() - start, stats, waits, pids)
+    return SwarmResult(len(api_keys), seconds, elapsed, stats, waits, pids, events)

@@ -16,7 +16,9 @@ ledger = Ledger(os.environ[LEDGER_ENV], source=f"celery {os.getpid()}") if os.en
 
 
 @runstate_task(mailbox=CELERY_MAILBOX, project=PROJECT, lease_ttl=10, max_attempts=3)
-def swarm_step(ctx, i: int):
+def swarm_step(ctx, i: int, seconds: float = 0):
     if ledger is not None:
         ledger.record("effect", ok=True, task_id=ctx.task_id, attempt=ctx.attempt)
+    # Work for a while (a cancel may come meanwhile), stopping early on the signal.
+    ctx.signal.wait(seconds)
     return {"i": i, "pid": os.getpid()}
