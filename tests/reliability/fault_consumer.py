@@ -1,0 +1,80 @@
+"""An SDK consumer in a process of its own, for the fault tests (not a test module).
+
+    python -m tests.reliability.fault_consumer MAILBOX LEDGER_DIR CONCURRENCY LEASE_TTL_MS
+
+Uses the sync client configured from RUNSTATE_URL / RUNSTATE_API_KEY / RUNSTATE_SCOPE_ID.
+Every claim, renew, complete, fail and release the worker loop sends, and each handler's
+side effect, is recorded in ``LEDGER_DIR/consumer-<pid>.jsonl``. The client makes no
+retries of its own, so each recorded call is one request and a refusal is never the answer
+to a retry of a request that had already committed.
+
+A task's input says what its handler does: ``{"i", "seconds"}`` sleeps, then returns;
+``{"hold_log": path}`` on attempt 1 writes ``holding <task id> <pid>`` to that file and
+waits for its signal (a lost claim), returning nothing the loop would record.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from runstate import Runstate
+from runstate._async.work import AsyncClaim, AsyncTasks
+from tests.reliability.ledger import Ledger
+
+
+def instrument(ledger: Ledger) -> None:
+    """Record the worker loop's claim operations (the async engine behind ``consume``)."""
+    claim = AsyncTasks.claim
+
+    async def recorded_claim(self, mailbox, **kwargs):
+        with ledger.op("claim", run_id=self._run_id) as call:
+            claims = await claim(self, mailbox, **kwargs)
+            call.done(claim_ids=[c.id for c in claims])
+        return claims
+
+    def recorded(op: str, method):
+        async def wrapper(self, *args, **kwargs):
+            fields = {}
+            if op == "complete":
+                fields["outcome"] = args[0] if args else kwargs.get("outcome")
+            elif op == "fail":
+                fields["error"] = args[0] if args else kwargs.get("error")
+                fields["retry"] = kwargs.get("retry", False)
+            with ledger.op(op, claim_id=self.id, **fields) as call:
+                answer = await method(self, *args, **kwargs)
+                if op != "renew" and isinstance(answer, dict):
+                    call.done(state=answer.get("state"))
+            return answer
+
+        return wrapper
+
+    AsyncTasks.claim = recorded_claim
+    for op in ("renew", "complete", "fail", "release"):
+        setattr(AsyncClaim, op, recorded(op, getattr(AsyncClaim, op)))
+
+
+def main(mailbox: str, ledger_dir: str, concurrency: int, lease_ttl_ms: int) -> None:
+    ledger = Ledger(Path(ledger_dir) / f"consumer-{os.getpid()}.jsonl", source=f"consumer/{os.getpid()}")
+    instrument(ledger)
+
+    def handler(ctx):
+        task_input = ctx.input
+        if task_input.get("hold_log") and ctx.attempt == 1:
+            with open(task_input["hold_log"], "a") as log:
+                log.write(f"holding {ctx.task_id} {os.getpid()}\n")
+            ctx.signal.wait(60)
+            return {"held": True, "pid": os.getpid()}
+        time.sleep(task_input.get("seconds", 0))
+        ledger.record("effect", ok=True, task_id=ctx.task_id, attempt=ctx.attempt)
+        return {"i": task_input.get("i"), "attempt": ctx.attempt, "pid": os.getpid()}
+
+    with Runstate(max_retries=0) as rs:
+        summary = rs.scope().consume(
+            mailbox, handler, concurrency=concurrency, lease_ttl_ms=lease_ttl_ms, claim_wait_ms=2000, drain_timeout=5
+        )
+    print(f"summary completed={summary.completed} lost={summary.lost} stop_reason={summary.stop_reason}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,72 @@
+"""The decorated task the fault tests run in real Celery workers (loaded with ``--include``).
+
+With ``RUNSTATE_FAULT_LEDGER_DIR`` set, a worker process records every claim, renew,
+complete, fail and release its runtime makes (and each handler's side effect) in a ledger
+file of its own, ``celery-<pid>.jsonl``, which the test merges into its ledger. The
+recording wraps the service functions ``workers.runtime`` calls; it changes nothing they do.
+"""
+
+import os
+import time
+from pathlib import Path
+
+from tests.reliability.ledger import Ledger
+from workers import runstate_task
+
+PROJECT = "faults"
+LEDGER_DIR_ENV = "RUNSTATE_FAULT_LEDGER_DIR"
+
+_ledger: Ledger | None = None
+
+
+def ledger() -> Ledger:
+    """Return this process's ledger (entries go to ``celery-<pid>.jsonl`` when the directory is set)."""
+    global _ledger
+    if _ledger is None:
+        directory = os.environ.get(LEDGER_DIR_ENV)
+        path = Path(directory) / f"celery-{os.getpid()}.jsonl" if directory else None
+        _ledger = Ledger(path, source=f"celery/{os.getpid()}")
+    return _ledger
+
+
+# A lease of 2 s (heartbeat every 0.67 s): a killed worker's tasks come back within ~3 s.
+@runstate_task(mailbox="faults-bulk", project=PROJECT, lease_ttl=2, max_attempts=10)
+def bulk(ctx, i: int, seconds: float):
+    time.sleep(seconds)
+    ledger().record("effect", ok=True, task_id=ctx.task_id, attempt=ctx.attempt)
+    return {"i": i, "attempt": ctx.attempt, "pid": os.getpid()}
+
+
+def _instrument_runtime() -> None:
+    """Record each service call of ``workers.runtime`` in this process's ledger."""
+    from workers import runtime
+
+    book = ledger()
+    claim_by_id = runtime.task_claim_by_id
+
+    def task_claim_by_id(**kwargs):
+        with book.op("claim", task_id=kwargs["task_id"]) as call:
+            claim = claim_by_id(**kwargs)
+            call.done(claim_ids=[claim.claim_id] if claim is not None else [])
+        return claim
+
+    def recorded(op: str, service, keep: tuple[str, ...]):
+        def wrapper(**kwargs):
+            fields = {name: kwargs[name] for name in keep if name in kwargs}
+            with book.op(op, claim_id=kwargs["claim_id"], **fields) as call:
+                result = service(**kwargs)
+                task = getattr(result, "task", result)
+                call.done(state=task.state)
+            return result
+
+        return wrapper
+
+    runtime.task_claim_by_id = task_claim_by_id
+    runtime.claim_renew = recorded("renew", runtime.claim_renew, ())
+    runtime.claim_complete = recorded("complete", runtime.claim_complete, ("outcome",))
+    runtime.claim_fail = recorded("fail", runtime.claim_fail, ("error", "retry"))
+    runtime.claim_release = recorded("release", runtime.claim_release, ())
+
+
+if os.environ.get(LEDGER_DIR_ENV):
+    _instrument_runtime()
