@@ -37,6 +37,18 @@ def bulk(ctx, i: int, seconds: float):
     return {"i": i, "attempt": ctx.attempt, "pid": os.getpid()}
 
 
+@runstate_task(mailbox="faults-hold", project=PROJECT, lease_ttl=2, max_attempts=3)
+def hold(ctx, hold_log: str):
+    """On attempt 1, say so in ``hold_log`` and wait for the signal (a lost claim); later attempts return."""
+    if ctx.attempt == 1:
+        with open(hold_log, "a") as log:
+            log.write(f"holding {ctx.task_id} {os.getpid()}\n")
+        ctx.signal.wait(60)
+        return {"held": True, "pid": os.getpid()}
+    ledger().record("effect", ok=True, task_id=ctx.task_id, attempt=ctx.attempt)
+    return {"attempt": ctx.attempt, "pid": os.getpid()}
+
+
 def _instrument_runtime() -> None:
     """Record each service call of ``workers.runtime`` in this process's ledger."""
     from workers import runtime

@@ -219,20 +219,23 @@ def assert_exactly_once(run, report, interrupted: dict, seed: int) -> int:
 @contextmanager
 def dispatching_to(url: str):
     """Send this process's Celery messages (submits' wake-ups) to ``url``, the live workers' broker."""
+    from kombu import Connection
+
     from runstate_project.celery import app
 
     def fresh_pools():
         app._pool = None
         app.amqp._producer_pool = None
 
-    saved = app.conf.broker_url
+    saved = app.conf.broker_write_url
     fresh_pools()
-    app.conf.broker_url = url
+    app.conf.broker_write_url = url
+    assert app.connection_for_write().as_uri() == Connection(url).as_uri()
     try:
         yield
     finally:
         fresh_pools()
-        app.conf.broker_url = saved
+        app.conf.broker_write_url = saved
 
 
 @pytest.fixture
@@ -434,4 +437,58 @@ def test_a_consumer_paused_past_its_lease_is_fenced_off_when_it_resumes(sdk_run,
     assert not [e for e in book.entries if e.claim_id == stale and e.ok and e.started_ns > takeover.ended_ns]
     report = book.assert_clean(setup.project.id, drained_runs=[setup.run.id])
     print(f"pause: {refusal.op} of {stale} answered LEASE_LOST after the takeover; {report.describe()}")
+    assert report.counts["takeovers"] == 1
+
+
+def test_a_celery_worker_paused_past_its_lease_is_fenced_off_when_it_resumes(
+    celery_broker, children, ledger_dir, tmp_path
+):
+    """SIGSTOP the worker holding the task; the lease sweep hands it to the other worker; SIGCONT: LEASE_LOST."""
+    env = child_env(**{fault_tasks.LEDGER_DIR_ENV: str(ledger_dir)})
+    ledger = Ledger(source="test")
+    ops = Services(ledger, fault_tasks.hold.project_id)
+    run = run_create(project_id=fault_tasks.hold.project_id, name="faults-celery-pause")
+    children.start("beat", beat_command(tmp_path), env)
+    workers = [children.start("worker", celery_worker_command(), env) for _ in range(2)]
+    hold_log = tmp_path / "hold.log"
+    with ledger.op("submit", run_id=run.id) as call:
+        task = fault_tasks.hold.submit(run.id, {"hold_log": str(hold_log)})
+        call.done(task_id=task.id)
+    wait_until(lambda: hold_log.exists() and hold_log.read_text().strip(), timeout_s=60, what="the handler to hold")
+    holding_pid = int(hold_log.read_text().split()[2])
+    (paused,) = [child for child in workers if child.pid == holding_pid]
+    (taker,) = [child for child in workers if child is not paused]
+
+    os.killpg(paused.pid, signal.SIGSTOP)
+    stale = claim_id_for(task.id, 1)
+    wait_until(lambda: count(run, "SUCCEEDED") == 1, timeout_s=60, what="the sweep and the other worker to take over")
+    row = Task.objects.get(id=task.id)
+    assert (row.attempts, row.outcome["attempt"], row.outcome["pid"]) == (2, 2, taker.pid)
+    requeue = Event.objects.get(subject_id=str(task.id), type="task.requeued")
+    assert requeue.data["cause"] == "lease_expired"
+
+    os.killpg(paused.pid, signal.SIGCONT)
+    paused_ledger = ledger_dir / f"celery-{paused.pid}.jsonl"
+
+    def fenced_off():
+        return [
+            entry
+            for entry in Ledger.load(paused_ledger).entries
+            if entry.claim_id == stale and entry.op in ("renew", "complete") and entry.code == "LEASE_LOST"
+        ]
+
+    (refusal, *_) = wait_until(fenced_off, timeout_s=30, what="the resumed worker to hear LEASE_LOST")
+    with pytest.raises(exceptions.LeaseLost):
+        ops.complete(stale, {"late": True})
+    for child in workers:
+        children.terminate(child)
+
+    row = Task.objects.get(id=task.id)
+    assert (row.state, row.attempts, row.outcome["pid"]) == ("SUCCEEDED", 2, taker.pid)
+    book = merged(ledger, ledger_dir)
+    takeover = next(e for e in book.entries if e.op == "claim" and e.ok and claim_id_for(task.id, 2) in e.claim_ids)
+    assert refusal.ended_ns > takeover.ended_ns
+    assert not [e for e in book.entries if e.claim_id == stale and e.ok and e.started_ns > takeover.ended_ns]
+    report = book.assert_clean(run.project_id, drained_runs=[run.id])
+    print(f"celery pause: {refusal.op} of {stale} answered LEASE_LOST after the takeover; {report.describe()}")
     assert report.counts["takeovers"] == 1
