@@ -16,6 +16,7 @@ Recording::
         claims = task_claim(...)
         call.done(claim_ids=[c.claim_id for c in claims])
     ledger.record_response("submit", response, run_id=run.id, task_id=...)   # DRF / httpx
+    watch_sdk(rs)      # SDK calls recorded with ledger.op then note the SDK's own retries
     Ledger(path="ledger.jsonl")    # also appends each entry as a JSON line (child processes)
     ledger.merge(Ledger.load(path))                       # read a child's entries back
 
@@ -41,7 +42,10 @@ What ``check`` holds the database to (each check's name is in the report):
   outcome, error); every ok retrying fail left its ``task.requeued`` event; every ok verdict
   is the member's verdict.
 - ``refused_not_recorded``: a complete or fail that was refused (and never also acknowledged
-  or left unknown for the same claim) is not what the database shows for that attempt.
+  or left unknown for the same claim) is not what the database shows for that attempt. The
+  SDK retries idempotent calls by itself, and the retry of a request that committed answers
+  ``LEASE_LOST``: record SDK calls on a client passed to ``watch_sdk`` (or built with
+  ``max_retries=0``), so such a refusal counts as unknown.
 - ``fenced``: an acknowledged renew, complete or fail of attempt ``a`` never started after
   the ledger saw attempt ``b > a`` of the same task claimed, nor after a cancel or complete
   of the task's run (or an ancestor) was acknowledged; no submit or claim was acknowledged
@@ -89,6 +93,7 @@ end's own later events are group-member cancellations, which are not acceptance 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import threading
@@ -102,7 +107,6 @@ from pathlib import Path
 from typing import Any
 
 OK, REFUSED, UNKNOWN = "ok", "refused", "unknown"
-CLAIM_OPS = ("renew", "complete", "fail", "release")
 TERMINAL_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "task.expired")
 # Events that accept new work under a run (written holding FOR KEY SHARE on the run chain).
 ACCEPTANCE_EVENTS = (
@@ -118,11 +122,7 @@ END_EVENTS = ("run.cancelled", "run.completed", "run.deadline_exceeded")
 
 
 def _str(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    return str(value)
+    return None if value is None else str(value)
 
 
 def parse_claim(claim_id: str) -> tuple[str, int]:
@@ -148,6 +148,36 @@ def error_code(error: BaseException) -> str | None:
     if isinstance(error, RunstateError) and error.status_code is not None and error.status_code < 500:
         return error.code
     return None
+
+
+# The HTTP requests sent by the SDK call a ``Ledger.op`` block is running (see ``watch_sdk``).
+_http_requests: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("ledger_http_requests", default=None)
+
+
+def watch_sdk(client) -> None:
+    """Count the HTTP requests behind each SDK call recorded with ``Ledger.op`` on ``client``.
+
+    The SDK retries idempotent calls (complete, fail, renew...) on transport errors and
+    502/503/504/429 by itself. A retry of a request that had committed answers
+    ``LEASE_LOST``: that refusal is then no proof the first request did nothing, so an
+    operation that took more than one request is recorded with ``http_requests`` and never
+    held to ``refused_not_recorded``. Works with ``Runstate`` and ``AsyncRunstate``; the
+    other way is a client with ``max_retries=0``.
+    """
+    http = client._http._client
+
+    def count(request) -> None:
+        requests = _http_requests.get()
+        if requests is not None:
+            requests[0] += 1
+
+    async def count_async(request) -> None:
+        count(request)
+
+    import httpx
+
+    hook = count_async if isinstance(http, httpx.AsyncClient) else count
+    http.event_hooks = {**http.event_hooks, "request": [*http.event_hooks.get("request", []), hook]}
 
 
 @dataclass
@@ -249,16 +279,24 @@ class Ledger:
     def op(self, op: str, **fields: Any) -> Iterator[Call]:
         """Record the operation run in the ``with`` block: ok, refused (re-raised) or unknown (re-raised)."""
         call = Call(dict(fields))
+        requests = [0]
+        token = _http_requests.set(requests)
         started = time.monotonic_ns()
         try:
             yield call
         except BaseException as error:
+            _http_requests.reset(token)
+            if requests[0] > 1:
+                call.fields["http_requests"] = requests[0]
             code = error_code(error) if isinstance(error, Exception) else None
             if code is not None:
                 self.record(op, code=code, started_ns=started, **call.fields)
             else:
                 self.record(op, unknown=True, started_ns=started, error_type=type(error).__name__, **call.fields)
             raise
+        _http_requests.reset(token)
+        if requests[0] > 1:
+            call.fields["http_requests"] = requests[0]
         self.record(op, ok=True, started_ns=started, **call.fields)
 
     def record_response(self, op: str, response, *, started_ns: int | None = None, **fields: Any) -> Entry:
@@ -602,7 +640,9 @@ class _Checker:
         told: dict[str, set[str]] = defaultdict(set)
         for entry in self.entries:
             if entry.op in ("complete", "fail") and entry.claim_id:
-                told[entry.claim_id].add(entry.result)
+                # A refusal of a retry may answer a request that had committed: not a refusal.
+                retried = entry.result == REFUSED and entry.data.get("http_requests", 1) > 1
+                told[entry.claim_id].add(UNKNOWN if retried else entry.result)
         for claim_id, results in told.items():
             if results != {REFUSED}:
                 continue  # acknowledged, or an unknown answer that may have committed

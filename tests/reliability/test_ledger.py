@@ -8,6 +8,7 @@ each service call commits on its own (and, on PostgreSQL, has its own ``txid``).
 import threading
 import uuid
 
+import httpx
 import pytest
 from django.db import connection, transaction
 from django.utils import timezone
@@ -19,8 +20,10 @@ from coordination.services.groups import group_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import claim_id_for
+from runstate import Runstate
+from runstate._sync.work import Claim
 from tests.conftest import make_client
-from tests.reliability.ledger import Ledger, Services, error_code
+from tests.reliability.ledger import Ledger, Services, error_code, watch_sdk
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -417,3 +420,41 @@ def test_http_answers_are_recorded(world):
     assert [e.result for e in ledger.entries] == ["ok", "ok", "ok", "refused"]
     assert ledger.entries[-1].code == "LEASE_LOST"
     ledger.assert_clean(world.project.id, drained_runs=[world.run.id])
+
+
+def _sdk_claim_answered(statuses, claim_id, *, watched):
+    """Complete ``claim_id`` through the SDK against a transport answering ``statuses`` in turn."""
+    answers = iter(statuses)
+
+    def answer(request):
+        status = next(answers)
+        if status == 409:
+            return httpx.Response(409, json={"error": {"code": "LEASE_LOST", "message": "lost", "details": {}}})
+        return httpx.Response(status, json={"error": {"code": "UNAVAILABLE", "message": "busy", "details": {}}})
+
+    ledger = Ledger()
+    rs = Runstate("http://runstate.invalid", "key", backoff_base=0.001, transport=httpx.MockTransport(answer))
+    if watched:
+        watch_sdk(rs)
+    claim = Claim(rs._http, {"claimId": claim_id, "attempt": 1, "task": {"id": "t"}, "leaseExpiresAt": None})
+    with pytest.raises(Exception) as raised, ledger.op("complete", claim_id=claim_id, outcome={"done": True}):
+        claim.complete({"done": True})
+    assert error_code(raised.value) == "LEASE_LOST"
+    rs.close()
+    return ledger.entries[-1]
+
+
+def test_a_refusal_that_answers_an_sdk_retry_is_not_held_against_the_database(world):
+    task, claim_id = world.finish_one({"done": True})
+    world.ledger.entries = [e for e in world.ledger.entries if e.claim_id != claim_id]
+    # The first request committed but its answer was lost (503); the SDK's retry hears LEASE_LOST.
+    retried = _sdk_claim_answered([503, 409], claim_id, watched=True)
+    assert (retried.result, retried.data["http_requests"]) == ("refused", 2)
+    world.ledger.entries.append(retried)
+    assert world.check().clean
+    # Unwatched, the same story reads as a refused completion that took effect.
+    world.ledger.entries[-1] = _sdk_claim_answered([503, 409], claim_id, watched=False)
+    assert_fails(world.check(), "refused_not_recorded")
+    # A single refused request is held to the database, watched or not.
+    world.ledger.entries[-1] = _sdk_claim_answered([409], claim_id, watched=True)
+    assert_fails(world.check(), "refused_not_recorded")
