@@ -6,7 +6,10 @@ worker that holds work three times at random points, restarting one after each k
 task must end ``SUCCEEDED`` exactly once, and the ledger (every claim, renew, complete,
 fail and side effect the workers made, recorded in their own processes) must be clean
 against the database. A worker paused with SIGSTOP past its lease must, once resumed, be
-answered ``LEASE_LOST`` while the database keeps the worker that took over.
+answered ``LEASE_LOST`` while the database keeps the worker that took over. Two races in one
+process complete the picture: a run cancelled while four threads claim and complete its
+tasks accepts nothing after the cancel, and a group judged by four threads at once is
+decided once.
 
 The random points come from a seed printed at the start of each test (set
 ``RUNSTATE_FAULT_SEED`` to replay one). Nothing waits on a duration: every wait is a
@@ -28,11 +31,13 @@ import pytest
 from django.utils import timezone
 
 from coordination import exceptions
-from coordination.models import Event, Task
+from coordination.models import Event, Task, TaskGroup
+from coordination.services.groups import group_create
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import claim_id_for
+from tests.concurrency.util import run_in_threads
 from tests.reliability import fault_tasks
 from tests.reliability.ledger import Ledger, Services
 from tests.sdk.conftest import free_port, server_env, wait_for_quiet_server
@@ -492,3 +497,102 @@ def test_a_celery_worker_paused_past_its_lease_is_fenced_off_when_it_resumes(
     report = book.assert_clean(run.project_id, drained_runs=[run.id])
     print(f"celery pause: {refusal.op} of {stale} answered LEASE_LOST after the takeover; {report.describe()}")
     assert report.counts["takeovers"] == 1
+
+
+# Races in one process: threads on their own connections ----------------------------------
+
+
+class RaceSetup:
+    """A project with a WORK mailbox and a ledger whose service calls several threads share."""
+
+    def __init__(self) -> None:
+        self.project = project_ensure(name="faults-race")
+        self.ledger = Ledger(source="threads")
+        self.ops = Services(self.ledger, self.project.id)
+        self.mailbox, _ = mailbox_ensure(project_id=self.project.id, name="faults-race", mode="WORK")
+
+    def completes(self) -> int:
+        return sum(1 for entry in self.ledger.snapshot() if entry.op == "complete" and entry.ok)
+
+
+def test_a_run_cancelled_while_four_threads_claim_and_complete_accepts_nothing_after_the_cancel(rng):
+    race = RaceSetup()
+    ops = race.ops
+    run = run_create(project_id=race.project.id, name="faults-cancel-race")
+    child = run_create(project_id=race.project.id, parent_id=run.id)
+    for i in range(120):
+        ops.submit(race.mailbox, child.id if i % 2 else run.id, {"i": i})
+    cancel_after = rng.randint(10, 80)
+    seeds = [rng.randrange(2**32) for _ in range(4)]
+
+    def worker(run_id, seed):
+        local = random.Random(seed)
+        while True:
+            try:
+                claims = ops.claim(race.mailbox, run_id, max_claims=2)
+            except exceptions.ScopeCancelled:
+                return
+            for claim in claims:
+                time.sleep(local.uniform(0, 0.005))  # hold the claim a moment, so the cancel lands mid-work
+                try:
+                    if local.random() < 0.3:
+                        ops.renew(claim.claim_id)
+                    ops.complete(claim.claim_id, {"i": claim.task.input["i"]})
+                except (exceptions.ScopeCancelled, exceptions.LeaseLost):
+                    pass
+
+    def canceller():
+        wait_until(lambda: race.completes() >= cancel_after, timeout_s=60, interval_s=0.002, what="completions")
+        ops.cancel_run(run.id, reason="race")
+
+    runs = [run.id, run.id, child.id, child.id]
+    run_in_threads([lambda s=s, r=r: worker(r, s) for s, r in zip(seeds, runs, strict=True)] + [canceller])
+
+    report = race.ledger.assert_clean(race.project.id, drained_runs=[run.id])
+    states = set(Task.objects.filter(project_id=race.project.id).values_list("state", flat=True))
+    assert states <= {"SUCCEEDED", "CANCELLED"}
+    refused = [e for e in race.ledger.entries if e.code == "SCOPE_CANCELLED"]
+    assert len(refused) >= 4  # every worker was refused its next claim
+    print(
+        f"cancel race: cancelled after {cancel_after} completions; {report.counts['tasks_SUCCEEDED']} succeeded, "
+        f"{report.counts['tasks_CANCELLED']} cancelled, {len(refused)} refusals; {report.describe()}"
+    )
+
+
+def test_a_group_decided_while_four_threads_complete_and_judge_its_members_is_decided_once(rng):
+    race = RaceSetup()
+    ops = race.ops
+    group = group_create(
+        project_id=race.project.id, mailbox_name="faults-race", condition="N_ACCEPTED", threshold=3, expected_members=12
+    )
+    for i in range(12):
+        ops.group_submit(group.id, {"i": i})
+    seeds = [rng.randrange(2**32) for _ in range(4)]
+
+    def worker(seed):
+        local = random.Random(seed)
+        while True:
+            try:
+                claims = ops.claim(race.mailbox, group.scope_id)
+            except exceptions.ScopeCancelled:
+                return  # the group finalized and cancelled its gate
+            for claim in claims:
+                try:
+                    ops.complete(claim.claim_id, {"i": claim.task.input["i"]})
+                    verdict = "ACCEPTED" if local.random() < 0.6 else "REJECTED"
+                    ops.verdict(group.id, claim.task.id, verdict)
+                except (exceptions.ScopeCancelled, exceptions.LeaseLost):
+                    pass
+
+    run_in_threads([lambda s=s: worker(s) for s in seeds])
+
+    decided = TaskGroup.objects.get(id=group.id)
+    race.ledger.record(
+        "group_decision", ok=True, group_id=group.id, outcome=decided.outcome, reason=decided.outcome_reason
+    )
+    report = race.ledger.assert_clean(race.project.id, drained_runs=[group.scope_id])
+    assert decided.state == "FINALIZED"
+    assert Event.objects.filter(type="group.finalized", subject_id=str(group.id)).count() == 1
+    told = {e.data["outcome"] for e in race.ledger.entries if e.op == "verdict" and e.ok and "outcome" in e.data}
+    assert told <= {decided.outcome}
+    print(f"group race: {decided.outcome}/{decided.outcome_reason}; {report.describe()}")
