@@ -90,12 +90,16 @@ ASGI_APPLICATION = "runstate_project.asgi.application"
 SQLITE_PATH = Path(os.environ.get("RUNSTATE_SQLITE_PATH") or VAR_DIR / "runstate.sqlite3")
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+    # Health checks: a connection that died with the server (a restart) is replaced before
+    # use, by the pool's check or, for a persistent connection (workers), at the start of a task.
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
     RUNSTATE_DB_POOL_SIZE = int(os.environ.get("RUNSTATE_DB_POOL_SIZE", "30"))
     if RUNSTATE_DB_POOL_SIZE > 0 and DATABASES["default"]["ENGINE"].endswith("postgresql"):
         # Under ASGI every request runs in a thread of its own: a burst of requests would
         # open a connection each and exhaust the server's max_connections. The pool caps a
-        # process's connections; a request beyond the cap waits for one (up to the timeout).
+        # process's connections; a request beyond the cap waits for one (up to the timeout),
+        # unless the server is down: then it fails at once (runstate_project.postgresql).
+        DATABASES["default"]["ENGINE"] = "runstate_project.postgresql"
         DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
             "min_size": 1,
             "max_size": RUNSTATE_DB_POOL_SIZE,

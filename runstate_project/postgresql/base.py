@@ -1,0 +1,89 @@
+"""Django's PostgreSQL backend whose connection pool answers at once while the server is down.
+
+psycopg_pool makes a request that finds no connection ready wait, up to the pool timeout
+(30 s by default), while it connects in the background. That is right when the pool is
+merely busy, but while the server is down the background connects fail and retry with a
+growing backoff, so every request would hang for the whole timeout before its 503: longer
+than a client waits. Here a request that gets no connection within a short grace checks
+whether the server accepts a connection at all; if it does not, the request fails at once
+with that error (an ``OperationalError``: ``503 SERVICE_UNAVAILABLE``), otherwise it waits
+for the pool as before. One check serves every request of the process for a second.
+"""
+
+import threading
+import time
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db.backends.postgresql import base
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+# How long a request waits for a pooled connection before checking that the server is up.
+READY_GRACE_S = 0.25
+# How long one check's answer holds for every request of the process.
+PROBE_TTL_S = 1.0
+PROBE_CONNECT_TIMEOUT_S = 2
+
+
+class FailFastPool(ConnectionPool):
+    """A pool whose ``getconn`` fails at once, rather than after its timeout, when the server is down."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._probe_lock = threading.Lock()
+        self._probed_at = float("-inf")
+        self._probe_error: Exception | None = None
+
+    def getconn(self, timeout: float | None = None):  # noqa: D102 - see the class
+        total = self.timeout if timeout is None else timeout
+        started = time.monotonic()
+        try:
+            return super().getconn(min(READY_GRACE_S, total))
+        except PoolTimeout:
+            error = self._server_error()
+            if error is not None:
+                raise error from None
+            remaining = total - (time.monotonic() - started)
+            if remaining <= 0:
+                raise
+        return super().getconn(remaining)
+
+    def _server_error(self) -> Exception | None:
+        """Return why the server refuses a new connection (None if it accepts one), checked at most once a second."""
+        with self._probe_lock:
+            if time.monotonic() - self._probed_at < PROBE_TTL_S:
+                return self._probe_error
+            kwargs = {**self._resolve_kwargs(), "connect_timeout": PROBE_CONNECT_TIMEOUT_S}
+            try:
+                self.connection_class.connect(self._resolve_conninfo(), **kwargs).close()
+            except Exception as refused:  # noqa: BLE001 - any refusal means the server is not there
+                self._probe_error = refused
+            else:
+                self._probe_error = None
+            self._probed_at = time.monotonic()
+            return self._probe_error
+
+
+class DatabaseWrapper(base.DatabaseWrapper):
+    """PostgreSQL through a ``FailFastPool`` when ``OPTIONS["pool"]`` is set."""
+
+    @property
+    def pool(self):  # noqa: D102 - Django's, with FailFastPool
+        pool_options = self.settings_dict["OPTIONS"].get("pool")
+        if self.alias == base.NO_DB_ALIAS or not pool_options:
+            return None
+        if self.alias not in self._connection_pools:
+            if self.settings_dict.get("CONN_MAX_AGE", 0) != 0:
+                raise ImproperlyConfigured("Pooling doesn't support persistent connections.")
+            connect_kwargs = self.get_connection_params()
+            # Autocommit as Django expects; it sets what it needs once it has the connection.
+            connect_kwargs["autocommit"] = True
+            pool = FailFastPool(
+                kwargs=connect_kwargs,
+                open=False,
+                configure=self._configure_connection,
+                check=ConnectionPool.check_connection if self.settings_dict["CONN_HEALTH_CHECKS"] else None,
+                **({} if pool_options is True else pool_options),
+            )
+            # The first thread to build a pool wins (none is opened until it is used).
+            self._connection_pools.setdefault(self.alias, pool)
+        return self._connection_pools[self.alias]
