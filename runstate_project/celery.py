@@ -41,3 +41,32 @@ def _keep_database_connections(sender=None, **kwargs) -> None:
     for settings_dict in (settings.DATABASES["default"], connections["default"].settings_dict):
         settings_dict.get("OPTIONS", {}).pop("pool", None)
         settings_dict["CONN_MAX_AGE"] = max_age
+
+
+@worker_init.connect
+def _survive_broker_loss_with_unacked_messages(sender=None, **kwargs) -> None:
+    """Keep the worker alive when the Redis broker goes away while it holds unacknowledged messages.
+
+    After a broker connection loss, Celery 5.7 collects the connection, which detaches the
+    transport from it, and then closes it. Whatever still touches the old channel (the close
+    putting the messages in flight back on the queue, a task finishing and acking its
+    message) makes kombu's Redis transport build a client for a broker it no longer knows,
+    and it raises ``AttributeError`` instead of a connection error. The worker takes that for
+    an unrecoverable error and stops for good, rather than reconnecting once Redis is back.
+    Raise the connection error kombu raises when the broker refuses, which those callers
+    handle: the messages stay in Redis's unacked set until the visibility timeout, and the
+    re-wake sweep sends any runstate work still unclaimed meanwhile.
+    """
+    from kombu.transport import redis as kombu_redis
+
+    connparams = kombu_redis.Channel._connparams
+    if getattr(connparams, "refuses_when_detached", False):
+        return
+
+    def connparams_if_attached(self, asynchronous=False):
+        if getattr(self.connection, "client", None) is None:
+            raise kombu_redis.get_redis_ConnectionError()("the broker connection is closed")
+        return connparams(self, asynchronous=asynchronous)
+
+    connparams_if_attached.refuses_when_detached = True
+    kombu_redis.Channel._connparams = connparams_if_attached
