@@ -510,11 +510,15 @@ class _Checker:
                 self.flag("claimed_once", task_id, f"attempt {attempt} claimed {times} times (events)")
         self.report.counts["claims_handed_out"] = len(claimed)
 
-    def _final(self, entry: Entry) -> bool:
-        """Whether an ok complete / fail entry ended its task (not a retrying fail)."""
+    def _final(self, entry: Entry) -> bool | None:
+        """Whether an ok complete / fail entry ended its task; None when unknown (a retrying fail, no state told)."""
         if entry.op == "complete":
             return True
-        return entry.op == "fail" and entry.data.get("state", "FAILED") != "QUEUED"
+        if entry.op != "fail":
+            return False
+        if "state" in entry.data:
+            return entry.data["state"] != "QUEUED"
+        return None if entry.data.get("retry") else True
 
     def finished_once(self) -> None:
         finishes: dict[str, list[Entry]] = defaultdict(list)
@@ -612,12 +616,15 @@ class _Checker:
         if task is None:
             self.flag("acknowledged", entry.claim_id, f"{entry.op} acknowledged on a task that does not exist")
             return
-        if entry.op == "fail" and not self._final(entry):
+        final = self._final(entry)
+        if entry.op == "fail" and not final:
             requeued = any(
                 e["type"] == "task.requeued" and e["data"].get("attempt") == attempt
                 for e in self.task_events.get(task_id, [])
             )
-            if not requeued:
+            # Told no state, a retrying fail may also have been the last attempt's.
+            failed = final is None and task["state"] == "FAILED" and task["attempts"] == attempt
+            if not (requeued or failed):
                 self.flag("acknowledged", entry.claim_id, "retrying fail acknowledged, no task.requeued event for it")
             return
         expected = entry.data.get("state") or ("SUCCEEDED" if entry.op == "complete" else "FAILED")

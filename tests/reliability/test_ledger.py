@@ -204,6 +204,17 @@ def test_acknowledged_catches_a_lost_retrying_failure(world):
     assert_fails(world.check(), "acknowledged")
 
 
+def test_a_retrying_fail_told_no_state_may_have_been_the_last_attempt(world):
+    world.ops.submit(world.jobs, world.run.id, {}, max_attempts=1)
+    (claim,) = world.ops.claim(world.jobs, world.run.id)
+    world.ops.fail(claim.claim_id, {"x": 1}, retry=True)  # no attempt left: FAILED
+    for entry in world.ledger.entries:
+        entry.data.pop("state", None)  # as recorded from an answer that was not read
+    assert world.check().clean
+    Task.objects.filter(id=claim.task.id).update(state="QUEUED")
+    assert_fails(world.check(), "acknowledged")
+
+
 def test_acknowledged_catches_a_lost_verdict(world):
     group = group_create(project_id=world.project.id, mailbox_name="jobs", condition="ALL_TERMINAL")
     member = world.ops.group_submit(group.id, {})
