@@ -1,0 +1,606 @@
+"""PostgreSQL and the broker restart under load; the service rides through and loses nothing.
+
+Everything runs as in production, against throwaway servers this module starts (never the
+machine's own): ``manage.py migrate``, a uvicorn API, a Celery worker and beat. Client
+threads submit, claim, complete, long-poll and arm timers over HTTP the whole time, and
+record every answer. Then one server is stopped for a few seconds and started again:
+
+- PostgreSQL down: every answer is ``503 SERVICE_UNAVAILABLE`` in the error envelope (never
+  another 5xx, never a hang), ``/v1/readyz`` is 503 and ``/v1/healthz`` 200; once it is back
+  the same processes serve, listen and sweep again, and every acknowledged change is there.
+- Redis (the broker) down: the API keeps answering without a 5xx (the rate limiter counts
+  locally, dispatch failures are left to the re-wake sweep); once it is back the worker
+  does the work submitted meanwhile, although the messages for it were never sent.
+
+Durations are reported (``-s``), never asserted.
+"""
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from tests.reliability.ledger import Ledger
+from tests.reliability.throwaway import free_port, throwaway_postgres, throwaway_redis  # noqa: F401 - fixtures
+from tests.workers.live import beat_command, wait_until
+
+pytestmark = [pytest.mark.postgres_only]
+
+# One line per request of the load would drown the report.
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = "celery-live"  # the project of tests.workers.celery_tasks
+BOUND_MAILBOX = "celery-live-bulk"  # bound to tests.workers.celery_tasks.bulk
+PLAIN_MAILBOX = "restart-plain"  # claimed by the client threads
+PROBE_MAILBOX = "restart-probe"  # nobody claims here but the test itself
+REQUEST_TIMEOUT_S = 15.0
+DOWN_FOR_S = 3.0
+SETTLE_TIMEOUT_S = 90.0
+
+
+# The stack -----------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    """The API, worker and beat processes on the throwaway servers, and an API key."""
+
+    pg: object
+    redis: object
+    url: str
+    key: str
+    log_dir: Path
+    env: dict[str, str]
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=REQUEST_TIMEOUT_S
+        )
+
+    def sql(self, query: str, *params) -> list[tuple]:
+        with psycopg.connect(self.pg.url(), connect_timeout=5) as conn:
+            return conn.execute(query, params).fetchall()
+
+    def states(self, table: str, ids) -> dict[str, str]:
+        rows = self.sql(f"SELECT id::text, state FROM {table} WHERE id = ANY(%s::uuid[])", list(ids))  # noqa: S608
+        return dict(rows)
+
+    def logs(self) -> str:
+        parts = []
+        for name in self.processes:
+            text = (self.log_dir / f"{name}.log").read_text(errors="replace")
+            parts.append(f"--- {name} (last 4000 chars)\n{text[-4000:]}")
+        return "\n".join(parts)
+
+    def assert_processes_alive(self) -> None:
+        dead = {name: p.returncode for name, p in self.processes.items() if p.poll() is not None}
+        assert not dead, f"processes exited: {dead}\n{self.logs()}"
+
+
+def stack_env(pg, redis, log_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=pg.url(),
+        CELERY_BROKER_URL=redis.url(0),
+        DJANGO_SETTINGS_MODULE="runstate_project.settings",
+        PYTHONUNBUFFERED="1",
+        RUNSTATE_VAR_DIR=str(log_dir / "var"),
+        RUNSTATE_DB_POOL_SIZE="5",
+        # Every process knows the bound mailbox; lost wake-ups are sent again after 2 s.
+        RUNSTATE_TASK_MODULES="tests.workers.celery_tasks",
+        RUNSTATE_REWAKE_AFTER_S="2",
+        # The limiter stays on (it talks to the throwaway Redis) but never refuses this load.
+        RUNSTATE_RATE_LIMIT="1000000/min",
+    )
+    return env
+
+
+def manage(env, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def stack(throwaway_postgres, throwaway_redis, tmp_path_factory):  # noqa: F811 - pytest fixtures
+    """Migrate the throwaway database, create a key, start API, worker and beat on the throwaway servers."""
+    log_dir = tmp_path_factory.mktemp("restarts")
+    env = stack_env(throwaway_postgres, throwaway_redis, log_dir)
+    manage(env, "migrate", "--noinput")
+    key = manage(
+        env,
+        "create_api_key",
+        "--project",
+        PROJECT,
+        "--permissions",
+        "resource_config,coordination_write,coordination_read",
+    )
+    port = free_port()
+    commands = {
+        "api": [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "runstate_project.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        "worker": [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "runstate_project",
+            "worker",
+            "--pool=threads",
+            "--concurrency=4",
+            "--include=tests.workers.celery_tasks",
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+        ],
+        "beat": beat_command(log_dir),
+    }
+    built = Stack(
+        pg=throwaway_postgres,
+        redis=throwaway_redis,
+        url=f"http://127.0.0.1:{port}",
+        key=key.strip().splitlines()[-1],
+        log_dir=log_dir,
+        env=env,
+    )
+    try:
+        for name, command in commands.items():
+            with open(log_dir / f"{name}.log", "wb") as log:
+                built.processes[name] = subprocess.Popen(
+                    command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+
+        def ready() -> bool:
+            built.assert_processes_alive()
+            try:
+                return httpx.get(f"{built.url}/v1/readyz", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, timeout_s=90, what="the API to be ready")
+        with built.client() as client:
+            for name in (BOUND_MAILBOX, PLAIN_MAILBOX, PROBE_MAILBOX):
+                assert client.put(f"/v1/mailboxes/{name}", json={"mode": "WORK"}).status_code in (200, 201)
+        yield built
+    finally:
+        for process in built.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in built.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+# The load ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request: what it did, the phase it started and ended in, and the answer."""
+
+    op: str
+    started: str
+    ended: str
+    status: int | None  # None: no answer (a timeout or a refused connection)
+    code: str | None  # the error envelope's code, if any
+
+
+class Load:
+    """Client threads submitting, claiming, completing, long-polling and arming timers until stopped.
+
+    Every answer is recorded with the phase (set by the test) it started and ended in, and
+    every submit, claim and complete in a ``Ledger`` (a 503 or no answer is an unknown
+    outcome), which the database is held to afterwards.
+    """
+
+    def __init__(self, stack: Stack, run_id: str, tag: str) -> None:
+        self.stack, self.run_id, self.tag = stack, run_id, tag
+        self.phase = "before"
+        self.ledger = Ledger(path=stack.log_dir / f"ledger-{tag}.jsonl", source=tag)
+        self.ledger_counts = ""
+        self.answers: list[Answer] = []
+        self.submitted: set[str] = set()  # acknowledged plain task ids
+        self.completed: set[str] = set()
+        self.bound: set[str] = set()
+        self.timers: set[str] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- recording
+
+    def call(self, client: httpx.Client, op: str, method: str, path: str, **kwargs) -> httpx.Response | None:
+        started = self.phase
+        try:
+            response = client.request(method, path, **kwargs)
+        except httpx.TransportError:
+            response = None
+        code = None
+        if response is not None and response.status_code >= 400:
+            try:
+                code = response.json()["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                code = "<no envelope>"
+        with self._lock:
+            self.answers.append(
+                Answer(op, started, self.phase, response.status_code if response is not None else None, code)
+            )
+        return response
+
+    def record(self, op: str, response: httpx.Response | None, **fields) -> bool:
+        """Record ``op`` in the ledger; return whether it was acknowledged."""
+        if response is None:
+            self.ledger.record(op, unknown=True, **fields)
+            return False
+        self.ledger.record_response(op, response, **fields)
+        return 200 <= response.status_code < 300
+
+    def in_phase(self, phase: str) -> list[Answer]:
+        with self._lock:
+            return [a for a in self.answers if a.started == a.ended == phase]
+
+    def unexpected(self) -> list[Answer]:
+        """Answers no phase allows: no answer at all, a 5xx other than 503, a 503 outside the envelope."""
+        with self._lock:
+            return [
+                a
+                for a in self.answers
+                if a.status is None
+                or (a.status >= 500 and a.status != 503)
+                or (a.status == 503 and a.code != "SERVICE_UNAVAILABLE")
+            ]
+
+    # -- threads
+
+    def start(self) -> None:
+        workers = [
+            (self._submit, PLAIN_MAILBOX),
+            (self._submit, PLAIN_MAILBOX),
+            (self._submit, BOUND_MAILBOX),
+            (self._claim, None),
+            (self._claim, None),
+            (self._wait, None),
+            (self._wait, None),
+            (self._arm_timers, None),
+        ]
+        for index, (target, arg) in enumerate(workers):
+            thread = threading.Thread(target=target, args=(index, arg), name=f"load-{index}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for thread in self._threads:
+            thread.join(REQUEST_TIMEOUT_S + 35)
+        assert not any(thread.is_alive() for thread in self._threads), "a client thread hangs"
+
+    def _pause(self, response: httpx.Response | None) -> None:
+        # Back off a little while the service refuses, as a client honouring Retry-After would.
+        self._stopping.wait(0.25 if response is None or response.status_code >= 500 else 0.02)
+
+    def _submit(self, index: int, mailbox: str) -> None:
+        with self.stack.client() as client:
+            n = 0
+            while not self._stopping.is_set():
+                # A key makes the retry of an unanswered submit idempotent.
+                key = f"{self.tag}-{index}-{n}"
+                body = {
+                    "runId": self.run_id,
+                    "key": key,
+                    "input": {"i": n, "log": str(self.stack.log_dir / "bulk.log")},
+                }
+                response = self.call(client, "submit", "POST", f"/v1/mailboxes/{mailbox}/tasks", json=body)
+                acknowledged = response is not None and response.status_code in (200, 201)
+                task_id = response.json()["id"] if acknowledged else None
+                if self.record("submit", response, run_id=self.run_id, task_id=task_id):
+                    with self._lock:
+                        (self.bound if mailbox == BOUND_MAILBOX else self.submitted).add(task_id)
+                    n += 1
+                self._pause(response)
+
+    def _claim(self, index: int, _) -> None:
+        with self.stack.client() as client:
+            while not self._stopping.is_set():
+                body = {"runId": self.run_id, "workerId": f"load-{index}", "max": 5, "waitMs": 1000}
+                response = self.call(client, "claim", "POST", f"/v1/mailboxes/{PLAIN_MAILBOX}/claims", json=body)
+                claims = response.json()["claims"] if response is not None and response.status_code == 200 else []
+                if not self.record("claim", response, run_id=self.run_id, claim_ids=[c["claimId"] for c in claims]):
+                    self._pause(response)
+                    continue
+                for claim in claims:
+                    path = f"/v1/claims/{claim['claimId']}/complete"
+                    done = self.call(client, "complete", "POST", path, json={"outcome": index})
+                    told = {"state": "SUCCEEDED"} if done is not None and done.status_code == 200 else {}
+                    if self.record("complete", done, claim_id=claim["claimId"], outcome=index, **told):
+                        with self._lock:
+                            self.completed.add(claim["task"]["id"])
+
+    def _wait(self, index: int, _) -> None:
+        with self.stack.client() as client:
+            while not self._stopping.is_set():
+                with self._lock:
+                    ids = sorted(self.submitted)[-20:]
+                if not ids:
+                    self._stopping.wait(0.1)
+                    continue
+                path = f"/v1/tasks/{random.choice(ids)}/result"  # noqa: S311 - not crypto
+                response = self.call(client, "wait", "GET", path, params={"timeoutMs": 2000})
+                self._pause(response)
+
+    def _arm_timers(self, index: int, _) -> None:
+        with self.stack.client() as client:
+            while not self._stopping.is_set():
+                body = {"runId": self.run_id, "afterSeconds": 1}
+                response = self.call(client, "timer", "POST", "/v1/timers", json=body)
+                if response is not None and response.status_code == 201:
+                    with self._lock:
+                        self.timers.add(response.json()["id"])
+                self._stopping.wait(0.2)
+
+
+def probe(stack: Stack) -> tuple[int, dict, int]:
+    """Return readyz's status and body, and healthz's status."""
+    ready = httpx.get(f"{stack.url}/v1/readyz", timeout=REQUEST_TIMEOUT_S)
+    health = httpx.get(f"{stack.url}/v1/healthz", timeout=REQUEST_TIMEOUT_S)
+    return ready.status_code, ready.json(), health.status_code
+
+
+def new_run(stack: Stack, name: str) -> str:
+    with stack.client() as client:
+        response = client.post("/v1/runs", json={"name": name})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def warm_up(load: Load) -> None:
+    wait_until(
+        lambda: (
+            len(load.submitted) >= 20 and len(load.completed) >= 5 and len(load.bound) >= 5 and len(load.timers) >= 3
+        ),
+        timeout_s=60,
+        what="the load to get going",
+    )
+
+
+LEDGER_CHECK = """
+import sys
+import django
+django.setup()
+from tests.reliability.ledger import Ledger
+print(Ledger.load(sys.argv[1]).assert_clean(sys.argv[2]).describe())
+"""
+
+
+def assert_nothing_lost(stack: Stack, load: Load) -> None:
+    """The database holds to the ledger; bound work gets done and timers fire."""
+
+    def bound_done() -> bool:
+        states = stack.states("coordination_task", load.bound)
+        return len(states) == len(load.bound) and set(states.values()) == {"SUCCEEDED"}
+
+    try:
+        wait_until(
+            bound_done, timeout_s=SETTLE_TIMEOUT_S, interval_s=0.5, what="every acknowledged bound task to be done"
+        )
+    except AssertionError as late:
+        states = Counter(stack.states("coordination_task", load.bound).values())
+        raise AssertionError(f"{late}: {states} of {len(load.bound)}\n{stack.logs()}") from None
+
+    def timers_fired() -> bool:
+        states = stack.states("coordination_timer", load.timers)
+        return len(states) == len(load.timers) and set(states.values()) <= {"FIRED", "ACKNOWLEDGED"}
+
+    wait_until(timers_fired, timeout_s=SETTLE_TIMEOUT_S, interval_s=0.5, what="every acknowledged timer to fire")
+
+    # The ledger reads the database through Django: check in a process set up for the throwaway one.
+    (project_id,) = stack.sql("SELECT id::text FROM coordination_project WHERE name = %s", PROJECT)[0]
+    checked = subprocess.run(
+        [sys.executable, "-c", LEDGER_CHECK, str(load.ledger.path), project_id],
+        cwd=ROOT,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, f"{checked.stdout}\n{checked.stderr[-4000:]}"
+    load.ledger_counts = checked.stdout.strip().splitlines()[-1].strip()
+
+
+def report(title: str, load: Load, **figures) -> None:
+    phases = {}
+    for phase in ("before", "down", "after"):
+        answers = load.in_phase(phase)
+        phases[phase] = dict(Counter(a.status for a in answers))
+    print(
+        f"\n{title}: answers by phase {phases}; ledger {load.ledger_counts}; "
+        f"acknowledged: {len(load.submitted)} submits, {len(load.completed)} completions, "
+        f"{len(load.bound)} bound submits, {len(load.timers)} timers; "
+        + ", ".join(f"{name} {value}" for name, value in figures.items())
+    )
+
+
+# The scenarios -------------------------------------------------------------------------
+
+
+def test_a_postgres_restart_costs_503s_while_down_and_nothing_once_back(stack):
+    pg = stack.pg
+    load = Load(stack, new_run(stack, "pg-restart"), tag="pg")
+    load.start()
+    try:
+        warm_up(load)
+
+        load.phase = "stopping"
+        pg.stop("fast")
+        load.phase = "down"
+        down_at = time.monotonic()
+        wait_until(lambda: len(load.in_phase("down")) >= 20, timeout_s=60, what="answers while PostgreSQL is down")
+        ready_status, ready_body, health_status = probe(stack)
+        assert ready_status == 503, ready_body
+        assert ready_body["checks"]["database"] != "ok" and ready_body["checks"]["broker"] == "ok", ready_body
+        assert ready_body["error"]["code"] == "SERVICE_UNAVAILABLE"
+        assert health_status == 200, "liveness does not depend on the database"
+        time.sleep(max(0.0, DOWN_FOR_S - (time.monotonic() - down_at)))
+
+        load.phase = "starting"
+        pg.start()
+        load.phase = "after"
+        restarted_at = time.monotonic()
+        wait_until(lambda: probe(stack)[0] == 200, timeout_s=60, what="readyz to answer 200 again")
+        ready_after_s = time.monotonic() - restarted_at
+        before = (len(load.submitted), len(load.completed), len(load.bound), len(load.timers))
+        wait_until(
+            lambda: (
+                len(load.submitted) > before[0] + 10
+                and len(load.completed) > before[1] + 5
+                and len(load.bound) > before[2] + 3
+                and len(load.timers) > before[3] + 2
+            ),
+            timeout_s=60,
+            what="the load to be served again",
+        )
+        served_after_s = time.monotonic() - restarted_at
+    finally:
+        load.stop()
+
+    # The same API process listens again: its LISTEN connection is back (every session
+    # present now began after the restart), and a long-poll started now is released by a change.
+    wait_until(
+        lambda: stack.sql("SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN runstate'")[0][0] >= 1,
+        timeout_s=30,
+        what="the NOTIFY listener to reconnect",
+    )
+    assert_long_poll_released(stack, load.run_id)
+    assert_sweeps_run(stack, load.run_id)
+
+    down = load.in_phase("down")
+    assert down and {(a.status, a.code) for a in down} == {(503, "SERVICE_UNAVAILABLE")}, Counter(
+        (a.status, a.code) for a in down
+    )
+    assert load.unexpected() == [], f"{Counter((a.op, a.status, a.code) for a in load.unexpected())}\n{stack.logs()}"
+    assert_nothing_lost(stack, load)
+    stack.assert_processes_alive()
+    report(
+        "PostgreSQL restart",
+        load,
+        ready_after_s=round(ready_after_s, 2),
+        load_served_after_s=round(served_after_s, 2),
+    )
+
+
+def assert_long_poll_released(stack: Stack, run_id: str) -> None:
+    with stack.client() as client:
+        submitted = client.post(f"/v1/mailboxes/{PROBE_MAILBOX}/tasks", json={"runId": run_id, "input": {}})
+        assert submitted.status_code == 201, submitted.text
+        task_id = submitted.json()["id"]
+        answer: dict = {}
+
+        def wait() -> None:
+            with stack.client() as waiter:
+                answer["response"] = waiter.get(f"/v1/tasks/{task_id}/result", params={"timeoutMs": 20000}, timeout=40)
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        time.sleep(0.5)  # let the wait begin (released either way: it re-reads once it has)
+        claims = client.post(f"/v1/mailboxes/{PROBE_MAILBOX}/claims", json={"runId": run_id, "max": 1}).json()["claims"]
+        assert [c["task"]["id"] for c in claims] == [task_id]
+        assert client.post(f"/v1/claims/{claims[0]['claimId']}/complete", json={"outcome": "ok"}).status_code == 200
+        waiting.join(45)
+    assert answer["response"].status_code == 200
+    assert answer["response"].json()["state"] == "SUCCEEDED"
+
+
+def assert_sweeps_run(stack: Stack, run_id: str) -> None:
+    """Beat and the worker sweep again: a lease left to expire now is settled."""
+    with stack.client() as client:
+        submitted = client.post(f"/v1/mailboxes/{PROBE_MAILBOX}/tasks", json={"runId": run_id, "input": {}})
+        assert submitted.status_code == 201, submitted.text
+        task_id = submitted.json()["id"]
+        body = {"runId": run_id, "max": 1, "leaseTtlMs": 200}
+        claims = client.post(f"/v1/mailboxes/{PROBE_MAILBOX}/claims", json=body).json()["claims"]
+        assert [c["task"]["id"] for c in claims] == [task_id]
+        wait_until(
+            lambda: client.get(f"/v1/tasks/{task_id}").json()["state"] != "RUNNING",
+            timeout_s=30,
+            interval_s=0.2,
+            what="the lease sweep to settle an expired lease",
+        )
+
+
+def test_b_broker_restart_costs_no_5xx_and_work_submitted_meanwhile_gets_done(stack):
+    redis = stack.redis
+    load = Load(stack, new_run(stack, "broker-restart"), tag="redis")
+    load.start()
+    try:
+        warm_up(load)
+
+        load.phase = "stopping"
+        redis.stop()
+        load.phase = "down"
+        down_at = time.monotonic()
+        bound_before = len(load.bound)
+        wait_until(
+            lambda: len(load.in_phase("down")) >= 20 and len(load.bound) > bound_before + 3,
+            timeout_s=60,
+            what="bound submits acknowledged while Redis is down",
+        )
+        ready_status, ready_body, health_status = probe(stack)
+        assert ready_status == 503, ready_body
+        assert ready_body["checks"] == {"database": "ok", "broker": ready_body["checks"]["broker"]}
+        assert ready_body["checks"]["broker"] != "ok"
+        assert health_status == 200
+        time.sleep(max(0.0, DOWN_FOR_S - (time.monotonic() - down_at)))
+        submitted_while_down = len(load.bound) - bound_before
+
+        load.phase = "starting"
+        redis.start()
+        load.phase = "after"
+        restarted_at = time.monotonic()
+        wait_until(lambda: probe(stack)[0] == 200, timeout_s=60, what="readyz to answer 200 again")
+        ready_after_s = time.monotonic() - restarted_at
+        bound_after = len(load.bound)
+        wait_until(lambda: len(load.bound) > bound_after + 3, timeout_s=60, what="bound submits after the restart")
+    finally:
+        load.stop()
+
+    down = load.in_phase("down")
+    assert down and all(a.status is not None and a.status < 500 for a in down), Counter(a.status for a in down)
+    assert load.unexpected() == [], f"{Counter((a.op, a.status, a.code) for a in load.unexpected())}\n{stack.logs()}"
+    settle_started = time.monotonic()
+    assert_nothing_lost(stack, load)
+    assert_sweeps_run(stack, load.run_id)
+    stack.assert_processes_alive()
+    report(
+        "Redis restart",
+        load,
+        bound_submits_while_down=submitted_while_down,
+        ready_after_s=round(ready_after_s, 2),
+        all_work_done_after_s=round(time.monotonic() - settle_started, 2),
+    )

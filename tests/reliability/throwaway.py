@@ -1,0 +1,219 @@
+"""Throwaway PostgreSQL and Redis servers that a test may stop and start again.
+
+Each runs from a fresh temporary directory on a free port, so stopping one never touches the
+machine's own servers (PostgreSQL on 5432, Redis on 6379). PostgreSQL refuses to run as
+root, so when the tests run as root (CI) its commands run as the ``postgres`` OS user and
+the directory belongs to it. Both keep nothing on disk that matters: trust authentication,
+``fsync`` off, Redis without snapshots or an append-only file (a restart empties it, as a
+broker restart without persistence does).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+PG_BIN = Path(os.environ.get("RUNSTATE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+PG_OS_USER = "postgres"
+
+
+def free_port() -> int:
+    """Return a TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    """Tell whether something accepts connections on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster in a temporary directory, stoppable and restartable on its port."""
+
+    database = "runstate"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.as_root = os.geteuid() == 0
+        self.dir = Path(tempfile.mkdtemp(prefix="runstate-pg-"))
+        self.data_dir = self.dir / "data"
+        self.log_path = self.dir / "postgres.log"
+        if self.as_root:
+            account = pwd.getpwnam(PG_OS_USER)
+            os.chown(self.dir, account.pw_uid, account.pw_gid)
+
+    def _run(self, *command: str, timeout_s: float = 60) -> None:
+        prefix = ["runuser", "-u", PG_OS_USER, "--"] if self.as_root else []
+        done = subprocess.run(
+            [*prefix, *command], cwd=self.dir, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{command[0]} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}\n{self.log()}")
+
+    def log(self) -> str:
+        """Return the server log (empty before the first start)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except (FileNotFoundError, PermissionError):
+            return ""
+
+    def url(self, database: str | None = None) -> str:
+        """Return a ``DATABASE_URL`` for ``database`` (the test database by default)."""
+        return f"postgres://postgres@127.0.0.1:{self.port}/{database or self.database}"
+
+    def init(self) -> None:
+        """Create the cluster and the test database, and start the server."""
+        self._run(
+            str(PG_BIN / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--no-sync",
+        )
+        self.start()
+        import psycopg
+
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {self.database}")
+
+    def start(self) -> None:
+        """Start the server on its port and wait until it accepts connections."""
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir} "
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=100"
+        )
+        self._run(
+            str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log_path), "-o", options, "-w", "start"
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (``fast``: disconnect every client; ``immediate``: as a crash would)."""
+        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "stop")
+
+    def running(self) -> bool:
+        """Tell whether the server's postmaster is up."""
+        return (self.data_dir / "postmaster.pid").exists()
+
+    def destroy(self) -> None:
+        """Stop the server if it runs and delete its directory."""
+        if self.running():
+            try:
+                self.stop("immediate")
+            except (RuntimeError, subprocess.TimeoutExpired):
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ThrowawayRedis:
+    """A Redis server without persistence, stoppable and restartable on its port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="runstate-redis-"))
+        self.log_path = self.dir / "redis.log"
+        self.process: subprocess.Popen | None = None
+
+    def url(self, db: int = 0) -> str:
+        """Return a ``redis://`` URL of database ``db`` on this server."""
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> None:
+        """Start the server on its port and wait until it accepts connections."""
+        command = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--logfile",
+            str(self.log_path),
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        _wait_for(lambda: port_open(self.port) or self.process.poll() is not None, timeout_s=30, what="redis")
+        if self.process.poll() is not None:
+            raise RuntimeError(f"redis-server exited ({self.process.returncode}):\n{self.log()}")
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM; nothing is saved) and wait until the port is free."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        _wait_for(lambda: not port_open(self.port), timeout_s=10, what="redis to close its port")
+
+    def log(self) -> str:
+        """Return the server log."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def destroy(self) -> None:
+        """Stop the server and delete its directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _require(path: str, what: str) -> None:
+    if not Path(path).exists():
+        pytest.skip(f"needs {what} at {path}")
+
+
+@pytest.fixture(scope="module")
+def throwaway_postgres():
+    """A fresh PostgreSQL server with an empty ``runstate`` database, destroyed after the module."""
+    _require(str(PG_BIN / "initdb"), "PostgreSQL's initdb (RUNSTATE_TEST_PG_BIN)")
+    server = ThrowawayPostgres()
+    try:
+        server.init()
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture(scope="module")
+def throwaway_redis():
+    """A fresh Redis server, destroyed after the module."""
+    _require(REDIS_SERVER, "redis-server")
+    server = ThrowawayRedis()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.destroy()
