@@ -104,6 +104,11 @@ if DATABASE_URL:
             "min_size": 1,
             "max_size": RUNSTATE_DB_POOL_SIZE,
             "timeout": float(os.environ.get("RUNSTATE_DB_POOL_TIMEOUT_S", "30")),
+            # While the server is down the pool retries each connection with a doubling
+            # backoff, so after a long outage it would wait about as long again before its
+            # next try. Give up on a connection after a few seconds instead: the next request
+            # asks for a fresh one, so the pool is back within seconds of the server.
+            "reconnect_timeout": 5.0,
         }
 else:
     DATABASES = {
