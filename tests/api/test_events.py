@@ -74,3 +74,14 @@ def test_bad_event_queries_are_400(api, query):
     response = api.get(f"/v1/events{query}")
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "VALIDATION_ERROR"
+
+
+@pytest.mark.parametrize(
+    "url", ["/v1/events?runId=", "/v1/events/stream?runId=", "/v1/events?limit=", "/v1/events?waitMs="]
+)
+def test_an_empty_filter_is_400_not_ignored(api, project, url):
+    """An empty ``runId`` once listed every event of the project (found by Schemathesis)."""
+    run_create(project_id=project.id)
+    response = api.get(url)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "VALIDATION_ERROR"

@@ -46,8 +46,12 @@ class ApiView(APIView):
         return serializer.validated_data
 
     def query(self, serializer_class) -> dict:
-        """Validate the query string with ``serializer_class`` and return the validated data."""
-        serializer = serializer_class(data=self.request.query_params)
+        """Validate the query string with ``serializer_class`` and return the validated data.
+
+        An empty value (``?runId=``) is validated like any other: given the ``QueryDict``
+        itself, DRF would treat it as an omitted form field and silently drop the filter.
+        """
+        serializer = serializer_class(data=self.request.query_params.dict())
         serializer.is_valid(raise_exception=True)
         return serializer.validated_data
 

@@ -1,0 +1,289 @@
+"""Schemathesis over every operation of ``/v1/schema``, against a real uvicorn on the test database.
+
+Every operation (every method of every path) is called with a valid key (all permissions),
+with no key and with a bad key. Every answer must be below 500 and conform to the schema: a
+documented status code and content type, a body of the documented shape (the error envelope
+on every 4xx), and a refusal of data the schema forbids. Without a valid key, every
+operation that needs one answers 401 ``UNAUTHENTICATED``.
+
+With the valid key, Schemathesis' coverage phase (boundary values, missing fields, wrong
+types) runs before its fuzzing; without one, a few fuzzed examples suffice, as every answer
+is the same 401. Generated ids are mostly unknown, so a positive case swaps some of them (a
+choice fixed by the generated values, so a case is reproducible) for objects seeded for the
+test: a run and its child, WORK and QUEUE mailboxes, a queued and a claimed task, a
+delivery, a group with a member, a barrier, a timer and an event cursor. Each test gets a
+fresh world, so one operation's changes (a cancelled run) never decide another's answers.
+
+Long-polls are called with a tiny timeout and the event stream is read for half a second;
+examples are bounded and derandomized, and Hypothesis keeps no example database.
+"""
+
+import json
+import uuid
+import zlib
+from collections import Counter
+
+import pytest
+import schemathesis
+from drf_spectacular.generators import SchemaGenerator
+from drf_spectacular.renderers import OpenApiJsonRenderer
+from hypothesis import HealthCheck, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from coordination.models import Event
+from coordination.selectors import event_cursor
+from coordination.services.barriers import barrier_create
+from coordination.services.groups import group_create, group_submit
+from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
+from coordination.services.mailboxes import mailbox_ensure
+from coordination.services.messages import message_receive, message_send
+from coordination.services.runs import run_create
+from coordination.services.tasks import task_claim, task_submit
+from coordination.services.timers import timer_create
+from tests.operator.live import uvicorn_server
+
+# Long enough for a slow shared machine, short enough for the whole file to run in minutes.
+MAX_EXAMPLES = 10
+KEYLESS_MAX_EXAMPLES = 5
+# A long-poll waits at most this long (ms); generated values above it are lowered to it.
+TINY_WAIT_MS = 20
+# The event stream is read for this long (s) before the client lets it go.
+STREAM_READ_S = 0.5
+REQUEST_TIMEOUT_S = 30
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
+
+
+def served_schema() -> dict:
+    """Return the OpenAPI document exactly as ``GET /v1/schema`` renders it."""
+    document = SchemaGenerator().get_schema(request=None, public=True)
+    return json.loads(OpenApiJsonRenderer().render(document, renderer_context={}))
+
+
+def load_schema(*, max_examples: int, coverage: bool):
+    """Load the served schema with bounded, derandomized generation and no example database."""
+    config = schemathesis.Config.from_dict(
+        {
+            "seed": 20261129,
+            "generation": {
+                "max-examples": max_examples,
+                "deterministic": True,
+                "database": "none",
+                # The key is each test's own business: Schemathesis sends no Authorization header.
+                "with-security-parameters": False,
+            },
+            # Coverage: boundary values, missing fields and wrong types of every parameter.
+            "phases": {"coverage": {"enabled": coverage}},
+        }
+    )
+    return schemathesis.openapi.from_dict(served_schema(), config=config)
+
+
+schema = load_schema(max_examples=MAX_EXAMPLES, coverage=True)
+# Without a valid key every answer is the same 401: fewer examples say as much.
+keyless_schema = load_schema(max_examples=KEYLESS_MAX_EXAMPLES, coverage=False)
+
+# Requests made and 5xx answers seen, per key kind (printed at the end of the module).
+FIGURES: Counter = Counter()
+
+
+# Committed rows, so that the server sees them; each test's rows are flushed after it.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def server(django_db_setup, tmp_path_factory):
+    """One uvicorn on the test database for the whole module."""
+    log_dir = tmp_path_factory.mktemp("schemathesis-server")
+    env = {"RUNSTATE_DB_POOL_SIZE": "5", "RUNSTATE_SSE_HEARTBEAT_S": "0.1", "LOG_LEVEL": "WARNING"}
+    try:
+        with uvicorn_server(log_dir, **env) as running:
+            yield running
+    finally:
+        print(f"\nschemathesis figures: {dict(sorted(FIGURES.items()))}")
+
+
+def seed_world() -> dict:
+    """Commit a project, an all-permission key and one of each object; return their ids."""
+    project = project_ensure(name=f"fuzz-{uuid.uuid4().hex[:12]}")
+    pid = project.id
+    key = api_key_create(project_id=pid, permissions=list(ALL_PERMISSIONS), name="schemathesis").plaintext
+    run = run_create(project_id=pid, name="fuzz")
+    child = run_create(project_id=pid, parent_id=run.id, name="child")
+    work, _ = mailbox_ensure(project_id=pid, name="work", mode="WORK")
+    queue, _ = mailbox_ensure(project_id=pid, name="queue", mode="QUEUE")
+    task_submit(project_id=pid, mailbox=work, run_id=run.id, input={"n": 1})
+    (claim,) = task_claim(project_id=pid, mailbox=work, run_id=run.id, worker_id="fuzz")
+    queued, _ = task_submit(project_id=pid, mailbox=work, run_id=run.id, input={"n": 2})
+    message_send(project_id=pid, mailbox=queue, run_id=run.id, body={"n": 1})
+    message_send(project_id=pid, mailbox=queue, run_id=run.id, body={"n": 2})
+    (delivery,) = message_receive(project_id=pid, mailbox=queue, run_id=run.id)
+    group = group_create(project_id=pid, mailbox_name="work", condition="ALL_TERMINAL", parent_scope_id=run.id)
+    member, _, _ = group_submit(project_id=pid, group_id=group.id, input={"m": 1})
+    barrier = barrier_create(project_id=pid, run_id=run.id, target=2)
+    timer = timer_create(project_id=pid, run_id=run.id, after_seconds=3600)
+    first_event = Event.objects.filter(project_id=pid).order_by("txid", "id").first()
+    return {
+        "key": key,
+        "run_id": str(run.id),
+        "child_id": str(child.id),
+        "task_id": str(queued.id),
+        "claimed_task_id": str(claim.task.id),
+        "member_id": str(member.id),
+        "claim_id": claim.claim_id,
+        "message_id": str(delivery.message.id),
+        "delivery_id": delivery.delivery_id,
+        "group_id": str(group.id),
+        "barrier_id": str(barrier.id),
+        "timer_id": str(timer.id),
+        "event_cursor": event_cursor(first_event),
+    }
+
+
+@pytest.fixture
+def world(server, transactional_db):
+    """A fresh project with one of each object (one operation's changes never decide another's)."""
+    return seed_world()
+
+
+def real_path_value(path: str, name: str, world: dict) -> str | None:
+    """Return the seeded id that fits the path parameter ``name`` of ``path``."""
+    if name == "name":
+        return "queue" if path.endswith(("/messages", "/deliveries")) else "work"
+    if name == "task_id":
+        return world["member_id"] if path.startswith("/v1/groups/") else world["task_id"]
+    return world.get(name)
+
+
+# Body and query fields that name an object, and the seeded object that fits them.
+REAL_FIELD = {
+    "runId": "run_id",
+    "parentId": "run_id",
+    "parentScopeId": "run_id",
+    "taskId": "task_id",
+    "after": "event_cursor",
+}
+
+
+def coin(*values) -> bool:
+    """Flip a coin decided by the generated values, so that a case always makes the same choices."""
+    return zlib.crc32(repr(values).encode()) % 2 == 0
+
+
+def use_real_ids(case, world: dict) -> None:
+    """Swap generated ids for seeded ones where a coin says so (positive cases only)."""
+    if case.meta is not None and case.meta.generation.mode != GenerationMode.POSITIVE:
+        return
+    path = case.operation.path
+    for name in list(case.path_parameters or {}):
+        value = real_path_value(path, name, world)
+        if value is not None and coin(name, case.path_parameters[name]):
+            case.path_parameters[name] = value
+    for container in (case.query, case.body):
+        if not isinstance(container, dict):
+            continue
+        for field, world_name in REAL_FIELD.items():
+            if field in container and coin(field, container[field]):
+                container[field] = world[world_name]
+        if container is case.body and "mailbox" in container and coin("mailbox", container["mailbox"]):
+            container["mailbox"] = "work"
+
+
+def keep_waits_tiny(case) -> None:
+    """Lower every long-poll wait to a few milliseconds (a negated, invalid value stays as sent)."""
+    for container in (case.query, case.body):
+        if not isinstance(container, dict):
+            continue
+        for field in ("timeoutMs", "waitMs"):
+            value = container.get(field)
+            if type(value) is int and value > TINY_WAIT_MS:
+                container[field] = TINY_WAIT_MS
+
+
+BAD_KEYS = [
+    "Bearer rs_{prefix}_" + "x" * 43,  # a real key's prefix, a wrong secret
+    "Bearer rs_000000000000_" + "y" * 43,  # an unknown prefix
+    "Bearer garbage",
+    "Bearer",
+    "Bearer a b",
+    "Basic dXNlcjpwYXNz",
+    "bearer {key}x",
+]
+
+
+def authorization_for(case, key_kind: str, world: dict) -> dict:
+    """Return the Authorization header of a valid, missing or bad key."""
+    if key_kind == "valid":
+        return {"Authorization": f"Bearer {world['key']}"}
+    if key_kind == "none":
+        return {}
+    prefix = world["key"].split("_")[1]
+    choice = zlib.crc32(repr((case.path_parameters, case.query, case.body)).encode()) % len(BAD_KEYS)
+    return {"Authorization": BAD_KEYS[choice].format(prefix=prefix, key=world["key"])}
+
+
+def needs_key(case) -> bool:
+    """Whether the operation declares the bearer scheme (probes and metrics do not)."""
+    return any("bearerAuth" in requirement for requirement in case.operation.definition.raw.get("security", []))
+
+
+def call_and_validate(case, key_kind: str, server, world: dict):
+    """Send the case with the key kind's header; check the answer against the schema."""
+    use_real_ids(case, world)
+    keep_waits_tiny(case)
+    headers = authorization_for(case, key_kind, world)
+    timeout = STREAM_READ_S if case.operation.path == "/v1/events/stream" else REQUEST_TIMEOUT_S
+    FIGURES[f"requests ({key_kind} key)"] += 1
+    response = case.call(base_url=server.url, headers=headers, timeout=timeout)
+    if response.status_code >= 500:
+        FIGURES[f"5xx ({key_kind} key)"] += 1
+    case.validate_response(response, checks=CHECKS, headers=headers, transport_kwargs={"base_url": server.url})
+    return response
+
+
+HYPOTHESIS = {"derandomize": True, "database": None, "deadline": None, "suppress_health_check": list(HealthCheck)}
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, **HYPOTHESIS)
+def test_with_a_valid_key_every_answer_conforms(case, server, world):
+    call_and_validate(case, "valid", server, world)
+
+
+@pytest.mark.parametrize("key_kind", ["none", "bad"])
+@keyless_schema.parametrize()
+@settings(max_examples=KEYLESS_MAX_EXAMPLES, **HYPOTHESIS)
+def test_without_a_valid_key_every_answer_is_401_and_conforms(case, key_kind, server, world):
+    response = call_and_validate(case, key_kind, server, world)
+    if not needs_key(case):
+        return
+    body = response.json()
+    if response.status_code == 404:
+        # Only when the request no longer routes: a generated id holding a "/".
+        assert body["error"]["message"] == "No such endpoint.", (case.operation.label, body)
+        return
+    assert response.status_code == 401, (case.operation.label, response.status_code, body)
+    assert body["error"]["code"] == "UNAUTHENTICATED"
+
+
+def test_every_operation_of_the_schema_is_covered():
+    """The file fuzzes what /v1/schema lists: every method of every path."""
+    operations = [result.ok() for result in schema.get_all_operations()]
+    labels = {operation.label for operation in operations}
+    raw = served_schema()["paths"]
+    expected = {f"{method.upper()} {path}" for path, item in raw.items() for method in item}
+    assert labels == expected
+    assert len(labels) >= 46
