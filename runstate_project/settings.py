@@ -166,6 +166,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "coordination.api.schema.add_transport_errors",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "RunStateEnum": "coordination.states.RunState",
         "TaskStateEnum": "coordination.states.TaskState",

@@ -1,4 +1,4 @@
-"""OpenAPI extensions: how drf-spectacular describes runstate's authentication."""
+"""OpenAPI extensions: how drf-spectacular describes runstate's authentication and common errors."""
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
@@ -16,3 +16,43 @@ class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
             "scheme": "bearer",
             "description": "An API key: `Authorization: Bearer rs_<prefix>_<secret>`.",
         }
+
+
+def _error(description: str, *, retry_after: bool = False) -> dict:
+    response = {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}},
+    }
+    if retry_after:
+        response["headers"] = {
+            "Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait before retrying."}
+        }
+    return response
+
+
+# Answers that come from the transport around an operation rather than from its logic
+# (``with_errors`` in the views documents those): any keyed operation may give them.
+KEYED_ERRORS = {
+    "406": _error("NOT_ACCEPTABLE: the Accept header excludes application/json"),
+    "429": _error("RATE_LIMITED: the key's requests for this window are spent", retry_after=True),
+    "503": _error("SERVICE_UNAVAILABLE: the database is unavailable", retry_after=True),
+}
+# Any operation that reads a JSON body may give these.
+BODY_ERRORS = {
+    "413": _error("VALIDATION_ERROR: the request body is too large"),
+    "415": _error("VALIDATION_ERROR: the request body is not JSON"),
+}
+
+
+def add_transport_errors(result, generator, request, public):
+    """Document the error answers every keyed operation (and every body) can get, in one place."""
+    for item in result.get("paths", {}).values():
+        for operation in item.values():
+            responses = operation.setdefault("responses", {})
+            if any("bearerAuth" in requirement for requirement in operation.get("security", [])):
+                for status, response in KEYED_ERRORS.items():
+                    responses.setdefault(status, response)
+            if "requestBody" in operation:
+                for status, response in BODY_ERRORS.items():
+                    responses.setdefault(status, response)
+    return result

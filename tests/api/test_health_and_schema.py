@@ -91,3 +91,22 @@ def test_schema_lists_long_polls_and_every_operation_of_work_and_groups(anon):
         ("/v1/events", "get"),
     ]:
         assert method in paths[path], path
+
+
+def test_every_keyed_operation_documents_the_transport_errors(anon):
+    """406, 429 and 503 can answer any keyed operation, 413 and 415 any body: the schema says so."""
+    paths = anon.get("/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()["paths"]
+    for path, item in paths.items():
+        for method, operation in item.items():
+            documented = set(operation["responses"])
+            if operation.get("security") == [{"bearerAuth": []}]:
+                assert {"400", "401", "403", "404", "406", "429", "503"} <= documented, (method, path)
+                assert "Retry-After" in operation["responses"]["429"]["headers"]
+            if "requestBody" in operation:
+                assert {"413", "415"} <= documented, (method, path)
+
+
+def test_an_accept_header_without_json_is_406_with_an_envelope(api):
+    response = api.get("/v1/runs", HTTP_ACCEPT="text/html")
+    assert response.status_code == 406
+    assert response.json()["error"]["code"] == "NOT_ACCEPTABLE"
