@@ -30,9 +30,16 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from psycopg_pool import ConnectionPool, PoolTimeout
 
+from runstate_project.postgresql.base import FailFastPool
 from tests.reliability.ledger import Ledger
-from tests.reliability.throwaway import free_port, throwaway_postgres, throwaway_redis  # noqa: F401 - fixtures
+from tests.reliability.throwaway import (  # noqa: F401 - fixtures
+    ThrowawayPostgres,
+    free_port,
+    throwaway_postgres,
+    throwaway_redis,
+)
 from tests.workers.live import beat_command, wait_until
 
 pytestmark = [pytest.mark.postgres_only]
@@ -604,3 +611,40 @@ def test_b_broker_restart_costs_no_5xx_and_work_submitted_meanwhile_gets_done(st
         ready_after_s=round(ready_after_s, 2),
         all_work_done_after_s=round(time.monotonic() - settle_started, 2),
     )
+
+
+def test_c_the_pool_refuses_at_once_while_the_server_is_down_and_serves_once_it_is_back():
+    """The API's pool raises the server's refusal, not its 30 s timeout, and recovers by itself."""
+    server = ThrowawayPostgres()
+    try:
+        server.init()
+        pool = FailFastPool(
+            conninfo=server.url(),
+            min_size=1,
+            max_size=2,
+            timeout=30,
+            reconnect_timeout=5,
+            check=ConnectionPool.check_connection,
+            open=True,
+        )
+
+        def serves() -> bool:
+            try:
+                with pool.connection() as conn:
+                    return conn.execute("SELECT 1").fetchone() == (1,)
+            except psycopg.OperationalError:
+                return False
+
+        try:
+            assert serves()
+            server.stop("fast")
+            for _ in range(3):  # the dead pooled connection first, then an empty pool
+                with pytest.raises(psycopg.OperationalError) as refused, pool.connection() as conn:
+                    conn.execute("SELECT 1")
+                assert not isinstance(refused.value, PoolTimeout), refused.value
+            server.start()
+            wait_until(serves, timeout_s=30, interval_s=0.2, what="the pool to serve again")
+        finally:
+            pool.close()
+    finally:
+        server.destroy()
