@@ -11,5 +11,9 @@ class CoordinationConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Register the OpenAPI description of the API-key authentication."""
+        """Register the OpenAPI description of the API-key authentication; keep keys out of every log."""
         from coordination.api import schema  # noqa: F401 - registers the extension
+        from coordination.logging import redact_every_handler
+
+        # Logging is configured by now (uvicorn's before it imported the app, Django's at setup).
+        redact_every_handler()

@@ -4,6 +4,12 @@
 in a context variable for the request's duration, answers it in the ``X-Request-ID``
 response header, counts the request for ``/v1/metrics`` and logs one line per request.
 ``JsonFormatter`` writes every log record as one JSON object with that ``requestId``.
+
+No API key reaches a log in plaintext, wherever a caller put it (a query string, the path,
+an odd header): ``redact`` masks the secret of anything shaped like a key and the value of
+every credential-named query parameter. ``JsonFormatter`` redacts each line it writes, and
+``RedactFilter`` (installed on every handler, uvicorn's access log included, by
+``redact_every_handler``) redacts a record's message before any other formatter sees it.
 """
 
 import contextvars
@@ -18,6 +24,13 @@ from datetime import UTC, datetime
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 
 REQUEST_ID_HEADER = "X-Request-ID"
+# An API key is ``rs_<12 hex prefix>_<secret>``; the prefix names the key, the rest is secret.
+_API_KEY = re.compile(r"\brs_([0-9a-f]{12})_[A-Za-z0-9_-]+")
+# A query parameter whose name says it carries a credential (``api_key``, ``access_token``...).
+_CREDENTIAL_PARAMETER = re.compile(
+    r"([?&;][A-Za-z0-9_.-]*(?:key|token|secret|password|auth)[A-Za-z0-9_.-]*=)[^&;#\s'\"]*", re.IGNORECASE
+)
+REDACTED = "[redacted]"
 # An id from the caller is kept when it is a plain token; anything else is replaced.
 _ACCEPTABLE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # Attributes every LogRecord has; anything else on a record was passed as ``extra``.
@@ -25,6 +38,47 @@ _RECORD_FIELDS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"me
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("runstate_request_id", default=None)
 request_logger = logging.getLogger("runstate.request")
+
+
+def redact(text: str) -> str:
+    """Return ``text`` with the secret of every API key and every credential in a query string masked."""
+    text = _API_KEY.sub(rf"rs_\1_{REDACTED}", text)
+    return _CREDENTIAL_PARAMETER.sub(rf"\1{REDACTED}", text)
+
+
+def _redact_value(value):
+    return redact(value) if isinstance(value, str) else value
+
+
+class RedactFilter(logging.Filter):
+    """Mask keys in a record's message, arguments and traceback, keeping their shapes.
+
+    Arguments stay a tuple (or mapping) of the same length: a formatter may unpack them, as
+    uvicorn's access log formatter does.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(_redact_value(arg) for arg in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {name: _redact_value(arg) for name, arg in record.args.items()}
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        return True
+
+
+def redact_every_handler() -> None:
+    """Put a ``RedactFilter`` on every handler configured so far (Django's, uvicorn's, ours)."""
+    loggers = [logging.getLogger()]
+    loggers += [item for item in logging.Logger.manager.loggerDict.values() if isinstance(item, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if not any(isinstance(existing, RedactFilter) for existing in handler.filters):
+                handler.addFilter(RedactFilter())
 
 
 def current_request_id() -> str | None:
@@ -60,7 +114,8 @@ class JsonFormatter(logging.Formatter):
                 body[key] = value
         if record.exc_info:
             body["exception"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
-        return json.dumps(body, default=str)
+        # Extras such as Django's ``request`` render with their query string: redact the whole line.
+        return redact(json.dumps(body, default=str))
 
 
 def _route_of(request) -> str:
@@ -101,7 +156,9 @@ class RequestContextMiddleware:
     @staticmethod
     def _begin(request):
         given = request.headers.get(REQUEST_ID_HEADER, "")
-        request.request_id = given if _ACCEPTABLE_ID.match(given) else uuid.uuid4().hex
+        # A key sent as the request id would be echoed into every log line of the request.
+        acceptable = _ACCEPTABLE_ID.match(given) and redact(given) == given
+        request.request_id = given if acceptable else uuid.uuid4().hex
         return request_id_var.set(request.request_id), time.perf_counter()
 
     @staticmethod

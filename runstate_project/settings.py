@@ -223,7 +223,10 @@ LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "coordination.logging.RequestIdFilter"}},
+    "filters": {
+        "request_id": {"()": "coordination.logging.RequestIdFilter"},
+        "redact": {"()": "coordination.logging.RedactFilter"},
+    },
     "formatters": {
         "json": {"()": "coordination.logging.JsonFormatter"},
         "text": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
@@ -231,7 +234,7 @@ LOGGING = {
     "handlers": {
         "console": {
             "class": "logging.StreamHandler",
-            "filters": ["request_id"],
+            "filters": ["request_id", "redact"],
             "formatter": "text" if LOG_FORMAT == "text" else "json",
         }
     },

@@ -46,8 +46,11 @@ class Server:
 
 
 @contextmanager
-def uvicorn_server(log_dir: Path, **env):
-    """Run ``uvicorn runstate_project.asgi:application`` on a free port until the block ends."""
+def uvicorn_server(log_dir: Path, *, log_level: str = "warning", **env):
+    """Run ``uvicorn runstate_project.asgi:application`` on a free port until the block ends.
+
+    ``log_level`` is uvicorn's (``info`` writes its access log, as a default deployment does).
+    """
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "uvicorn.log"
@@ -59,7 +62,7 @@ def uvicorn_server(log_dir: Path, **env):
         **env,
     }
     command = [sys.executable, "-m", "uvicorn", "runstate_project.asgi:application"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", log_level]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -3,7 +3,9 @@
 import json
 import logging
 
-from coordination.logging import JsonFormatter, RequestIdFilter, request_id_var
+from coordination.logging import JsonFormatter, RedactFilter, RequestIdFilter, redact, request_id_var
+
+KEY = "rs_0123456789ab_Sx3-kP_qR9vLmN2wTz8yHc4dE6fG7hJ1KoU5iA0bX"
 
 
 def test_a_request_id_is_made_answered_and_logged(api, caplog):
@@ -51,3 +53,34 @@ def test_errors_are_logged_with_their_traceback():
         record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     line = json.loads(JsonFormatter().format(record))
     assert "ValueError: boom" in line["exception"]
+
+
+def test_an_api_key_sent_as_the_request_id_is_replaced(anon):
+    response = anon.get("/v1/healthz", HTTP_X_REQUEST_ID=KEY)
+    assert response["X-Request-ID"] != KEY and len(response["X-Request-ID"]) == 32
+
+
+def test_redact_masks_key_secrets_and_credential_parameters():
+    assert redact(f"GET /v1/runs/{KEY}") == "GET /v1/runs/rs_0123456789ab_[redacted]"
+    assert redact("GET /v1/runs?api_key=garbage&limit=5") == "GET /v1/runs?api_key=[redacted]&limit=5"
+    assert redact("/x?a=1&access_token=t0k3n") == "/x?a=1&access_token=[redacted]"
+    assert redact("GET /v1/runs?limit=5 run rs_jobs") == "GET /v1/runs?limit=5 run rs_jobs"
+
+
+def test_the_filter_keeps_the_arguments_a_formatter_unpacks():
+    """uvicorn's access formatter unpacks five arguments: redaction keeps them five."""
+    args = ("127.0.0.1:1", "GET", f"/v1/runs?key={KEY}", "1.1", 401)
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', args, None)
+    RedactFilter().filter(record)
+    assert record.args == ("127.0.0.1:1", "GET", "/v1/runs?key=[redacted]", "1.1", 401)
+
+
+def test_a_json_line_redacts_extras_such_as_the_request():
+    class Request:
+        def __repr__(self):
+            return f"<ASGIRequest: GET '/v1/runs?x={KEY}'>"
+
+    record = logging.LogRecord("django.request", logging.WARNING, __file__, 1, "Unauthorized: /v1/runs", (), None)
+    record.request = Request()
+    line = JsonFormatter().format(record)
+    assert KEY not in line and "rs_0123456789ab_[redacted]" in json.loads(line)["request"]
