@@ -24,7 +24,14 @@ def _close_connection() -> None:
 
 
 async def db[T](fn: Callable[..., T], *args, **kwargs) -> T:
-    """Run ``fn`` in a worker thread, then close that thread's connection."""
+    """Run ``fn`` on the request's own thread, then close its connection (a read between waits).
+
+    Not on the event loop's default executor: its few threads are shared by the whole process,
+    and Django answers every 4xx through one of them (``log_response``) while that request
+    still holds its pooled connection. Rechecks blocked there waiting for the pool would
+    then wait on connections that can only come back through the same blocked threads: with
+    the pool exhausted, the process stood still until the pool's timeout.
+    """
 
     def call() -> T:
         try:
@@ -32,7 +39,7 @@ async def db[T](fn: Callable[..., T], *args, **kwargs) -> T:
         finally:
             connection.close()
 
-    return await sync_to_async(call, thread_sensitive=False)()
+    return await sync_to_async(call)()
 
 
 async def long_poll[T](
