@@ -22,6 +22,9 @@ loops over scenarios until the time is up:
   Celery tasks submitted under the child race the cancel;
 * ``celery``: tasks submitted to a mailbox bound to ``@runstate_task`` (run by the two
   Celery workers), results awaited on peer;
+* ``crowd``: a run opened to the whole swarm: before each scenario a client claims and
+  completes a few tasks under some other client's open run (through its own server), while
+  that client cancels it at a random moment;
 * ``clock``: a barrier whose wait on peer is released by arrivals through home, and a timer
   and a group deadline that only the sweeps (beat and the workers) act on, awaited on peer.
 
@@ -61,7 +64,7 @@ TASK_MODULE = "tests.reliability.swarm_tasks"
 LEDGER_ENV = "RUNSTATE_SWARM_LEDGER"
 # Every wait must be released well before this; it only bounds a hang.
 WAIT_LIMIT_MS = 60_000
-SCENARIOS = ("work", "group", "cancel", "celery", "clock", "work", "group")
+SCENARIOS = ("work", "group", "cancel", "celery", "clock", "crowd", "work", "group")
 GROUP_CONDITIONS = ("ALL_TERMINAL", "N_ACCEPTED", "FIRST_ACCEPTED")
 
 
@@ -372,6 +375,26 @@ class ExpectedRefusal(Exception):  # noqa: N818 - a scenario's planned end, not 
     """A worker loop under a cancelled run was refused, as planned."""
 
 
+class Board:
+    """Runs that clients open to the whole swarm: others claim and complete under them until cancelled."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: list[str] = []
+
+    def post(self, run_id: str) -> None:
+        with self._lock:
+            self._runs.append(run_id)
+
+    def take_down(self, run_id: str) -> None:
+        with self._lock:
+            self._runs.remove(run_id)
+
+    def pick(self, rng: random.Random) -> str | None:
+        with self._lock:
+            return rng.choice(self._runs) if self._runs else None
+
+
 class SwarmClient:
     """One swarm member: an SDK client on its home server and one on the other (its peer)."""
 
@@ -386,6 +409,7 @@ class SwarmClient:
         ledger: Any,
         pool: ThreadPoolExecutor,
         until: float,
+        board: Board,
     ) -> None:
         from runstate import Runstate
 
@@ -395,6 +419,7 @@ class SwarmClient:
         self.home = Runstate(home_url, api_key, transport=CountingTransport(stats, self.home_name))
         self.peer = Runstate(peer_url, api_key, transport=CountingTransport(stats, self.peer_name))
         self.stats, self.waits, self.ledger, self.pool = stats, waits, ledger, pool
+        self.board = board
         self.until = until
         self.random = random.Random(index)
         self.celery_pids: Counter[int] = Counter()
@@ -430,6 +455,7 @@ class SwarmClient:
             name = order[turn % len(order)]
             turn += 1
             try:
+                self.help()
                 getattr(self, name)()
                 self.stats.scenarios[name] += 1
             except Exception:  # noqa: BLE001 - every unexpected error is a test failure, reported at the end
@@ -759,6 +785,37 @@ class SwarmClient:
             self.stats.fail(f"group {group.id}: after the cancel the wait saw {answer['outcome']}")
         self.settle(result_record, result_wait, cancelled_at)
 
+    def crowd(self) -> None:
+        """Open a run to the swarm: other clients, through either server, work under it until it is cancelled here."""
+        root = self.call("run.create", self.home.scopes.create, name=f"crowd-{self.index}")
+        child = self.call("run.child", root.child, name="crowd")
+        for n in range(12):
+            self.submit(child.tasks, WORK_MAILBOX, {"n": n}, run_id=child.id)
+        self.board.post(child.id)
+        try:
+            time.sleep(self.random.uniform(0.5, 2.0))
+        finally:
+            self.board.take_down(child.id)
+        self.end_run(root, "cancel")
+
+    def help(self) -> None:
+        """Claim and complete a few tasks under a run another client opened (refusals after its cancel expected)."""
+        from runstate import ScopeCancelledError
+
+        run_id = self.board.pick(self.random)
+        if run_id is None:
+            return
+        tasks = self.home.scope(run_id).tasks
+        try:
+            for _ in range(3):
+                claims = self.claim(tasks, WORK_MAILBOX, run_id=run_id, max=1, wait_ms=200)
+                if not claims:
+                    return
+                self.renew(claims[0])
+                self.complete(claims[0], {"task": claims[0].task_id, "helper": self.index})
+        except ScopeCancelledError:
+            return
+
     def worker_until_refused(self, run_id: str) -> None:
         """Claim, renew and complete under ``run_id`` through peer until the run is refused."""
         from runstate import ScopeCancelledError
@@ -959,6 +1016,7 @@ def run_swarm(
         setup.mailboxes.ensure(WORK_MAILBOX, mode="WORK", lease_ttl_ms=30_000, max_attempts=3)
         setup.mailboxes.ensure(GROUP_MAILBOX, mode="WORK", lease_ttl_ms=30_000, max_attempts=1)
         setup.mailboxes.ensure(CELERY_MAILBOX, mode="WORK", lease_ttl_ms=10_000, max_attempts=3)
+    board = Board()
     follower = EventFollower(servers, api_keys[0], stats)
     follower.start()
     start = time.monotonic()
@@ -974,6 +1032,7 @@ def run_swarm(
                 ledger=ledger,
                 pool=pool,
                 until=until,
+                board=board,
             )
             for i, key in enumerate(api_keys)
         ]
