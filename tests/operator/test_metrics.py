@@ -164,3 +164,11 @@ def test_the_schema_documents_metrics_as_plain_text(anon):
     schema = anon.get("/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
     operation = schema["paths"]["/v1/metrics"]["get"]
     assert "text/plain" in operation["responses"]["200"]["content"]
+
+
+def test_a_wrong_method_is_405_with_the_json_envelope(anon):
+    """The text renderer once answered a 405 with the bare word ``error`` (found by the method sweep)."""
+    response = anon.delete("/v1/metrics")
+    assert response.status_code == 405
+    assert response["Content-Type"] == "application/json"
+    assert response.json()["error"]["code"] == "METHOD_NOT_ALLOWED"

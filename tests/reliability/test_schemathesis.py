@@ -19,10 +19,12 @@ examples are bounded and derandomized, and Hypothesis keeps no example database.
 """
 
 import json
+import re
 import uuid
 import zlib
 from collections import Counter
 
+import httpx
 import pytest
 import schemathesis
 from drf_spectacular.generators import SchemaGenerator
@@ -287,3 +289,17 @@ def test_every_operation_of_the_schema_is_covered():
     expected = {f"{method.upper()} {path}" for path, item in raw.items() for method in item}
     assert labels == expected
     assert len(labels) >= 46
+
+
+def test_a_method_no_path_documents_is_405_with_an_envelope(server, world):
+    headers = {"Authorization": f"Bearer {world['key']}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=REQUEST_TIMEOUT_S) as client:
+        for path, item in served_schema()["paths"].items():
+            url = re.sub(r"\{[^}]+\}", "x", path)
+            for method in sorted({"get", "put", "post", "patch", "delete"} - set(item)):
+                response = client.request(method.upper(), url)
+                FIGURES["requests (valid key)"] += 1
+                assert response.status_code == 405, (method, path, response.status_code)
+                assert response.headers["Content-Type"] == "application/json", (method, path, response.text[:200])
+                assert response.json()["error"]["code"] == "METHOD_NOT_ALLOWED", (method, path)
+                assert {m.upper() for m in item} <= set(response.headers["Allow"].split(", ")), (method, path)

@@ -6,7 +6,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from prometheus_client import CONTENT_TYPE_LATEST
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import AllowAny
-from rest_framework.renderers import BaseRenderer
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.views import APIView
 
 from coordination import metrics
@@ -39,6 +39,12 @@ class MetricsView(APIView):
     throttle_classes: list = []
     renderer_classes = [PrometheusTextRenderer]
     content_negotiation_class = FirstRenderer
+
+    def handle_exception(self, exc):
+        """Answer an error (a 405, say) with the JSON envelope: the text renderer has no shape for it."""
+        self.request.accepted_renderer = JSONRenderer()
+        self.request.accepted_media_type = JSONRenderer.media_type
+        return super().handle_exception(exc)
 
     @extend_schema(
         operation_id="metrics",
