@@ -155,3 +155,31 @@ def test_event_list_waits_for_the_next_event(api, setup):
     events = response.json()["events"]
     assert [(e["type"], e["data"]["name"]) for e in events] == [("run.created", "late")]
     assert response.json()["nextCursor"] == events[-1]["id"]
+
+
+def test_a_recheck_runs_on_its_request_thread_even_when_the_default_executor_is_full():
+    """A long-poll's re-read never waits for the event loop's shared default executor.
+
+    Django answers every 4xx through that executor while the request still holds its pooled
+    connection; rechecks queued there behind an exhausted pool deadlocked the whole process.
+    """
+    from asgiref.sync import ThreadSensitiveContext
+
+    from coordination.api.longpoll import db, in_request
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        release = threading.Event()
+        # Occupy every thread of the default executor (at most 32) and queue more behind them.
+        blockers = [loop.run_in_executor(None, release.wait) for _ in range(64)]
+        try:
+            async with ThreadSensitiveContext():
+                request_thread = await in_request(threading.get_ident)
+                recheck_thread = await asyncio.wait_for(db(threading.get_ident), timeout=60)
+        finally:
+            release.set()
+            await asyncio.gather(*blockers)
+        return request_thread, recheck_thread
+
+    request_thread, recheck_thread = asyncio.run(scenario())
+    assert recheck_thread == request_thread
