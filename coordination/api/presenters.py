@@ -13,7 +13,8 @@ def iso(value: datetime | None) -> str | None:
     """Format a time as RFC 3339 in UTC with a ``Z``."""
     if value is None:
         return None
-    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # isoformat, not strftime: "%Y" leaves a year before 1000 unpadded ("1-01-01"), not RFC 3339.
+    return value.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def present_run(run: Run, effective: EffectiveState) -> dict:

@@ -49,6 +49,13 @@ def test_at_in_the_past_fires_at_once(api, run):
     assert Event.objects.filter(type="timer.fired", subject_id=timer["id"]).count() == 1
 
 
+def test_a_time_before_the_year_1000_is_rfc_3339(api, run):
+    """A year-1 ``at`` once answered ``fireAt: "1-01-01T..."``, which no RFC 3339 parser reads."""
+    timer = create(api, run, at="0001-01-01T00:00:00Z")
+    assert timer["fireAt"] == "0001-01-01T00:00:00.000000Z"
+    assert timer["createdAt"].endswith("Z") and len(timer["createdAt"]) == len("2026-01-01T00:00:00.000000Z")
+
+
 @pytest.mark.parametrize(
     "body, field",
     [({}, "at"), ({"at": "2999-01-01T00:00:00Z", "afterSeconds": 5}, "at"), ({"afterSeconds": -1}, "afterSeconds")],
