@@ -42,7 +42,6 @@ import subprocess
 import threading
 
 import pytest
-from django.conf import settings
 from django.db import connection
 
 from coordination.models import Event
@@ -175,8 +174,7 @@ def record(result, report, connections: int) -> None:
             f"- Command: `RUNSTATE_SOAK_CLIENTS={result.clients} RUNSTATE_SOAK_SECONDS={result.seconds:g} "
             "RUNSTATE_SOAK_RECORD=1 .venv/bin/python -m pytest tests/reliability/test_load.py -s`",
             f"- Topology: 2 uvicorn API processes (pool {DB_POOL_SIZE} each), 2 Celery workers "
-            f"(threads, concurrency {WORKER_CONCURRENCY}), 1 beat, one PostgreSQL, one Redis "
-            f"({settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}); "
+            f"(threads, concurrency {WORKER_CONCURRENCY}), 1 beat, one PostgreSQL, one Redis; "
             f"peak {connections} connections to the database",
             f"- Result: ledger {'clean' if report.clean else 'NOT CLEAN'}; {len(result.stats.failures)} client errors",
             "",
