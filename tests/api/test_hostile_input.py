@@ -1,5 +1,7 @@
 """Hostile or malformed input answers a 4xx with an error code, never a 500."""
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.django_db
@@ -80,3 +82,37 @@ def test_unicode_payloads_round_trip(api, work):
     payload = {"ключ": "значение 😀", "emoji": ["🧪", "\u2028"], "n": -(2**53)}
     response = api.post("/v1/mailboxes/jobs/tasks", {"runId": work["id"], "input": payload}, format="json")
     assert response.status_code == 201 and response.json()["input"] == payload
+
+
+@pytest.mark.parametrize("name", ["%00", "a%00b", "x" * 3000])
+def test_a_mailbox_name_no_mailbox_can_have_is_404_on_every_mailbox_operation(api, work, name):
+    """A NUL in the path's mailbox name reached PostgreSQL, which refused it: a 500."""
+    run_id = work["id"]
+    for method, suffix, body in [
+        ("get", "", None),
+        ("post", "/tasks", {"runId": run_id}),
+        ("post", "/claims", {"runId": run_id}),
+        ("post", "/messages", {"runId": run_id, "body": {}}),
+        ("post", "/deliveries", {"runId": run_id}),
+    ]:
+        response = getattr(api, method)(f"/v1/mailboxes/{name}{suffix}", body, format="json")
+        assert response.status_code == 404 and code(response) == "NOT_FOUND", (suffix, response.content)
+    response = api.put(f"/v1/mailboxes/{name}", {"mode": "WORK"}, format="json")
+    assert response.status_code == 400 and code(response) == "VALIDATION_ERROR"
+
+
+HOSTILE_PATH_VALUES = ["%00", "%FF%FE", "%ED%A0%80", "..", "%20", "x" * 3000, "%F0%9F%98%80" * 50]
+
+
+@pytest.mark.django_db(transaction=True)  # long-polls open connections of their own
+def test_hostile_values_in_every_path_parameter_are_4xx(api, anon):
+    api.raise_request_exception = False
+    paths = anon.get("/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()["paths"]
+    failures = []
+    for path, item in paths.items():
+        for method, value in [(m, v) for m in item for v in HOSTILE_PATH_VALUES if "{" in path]:
+            url = re.sub(r"\{[^}]+\}", value, path)
+            response = api.get(url) if method == "get" else getattr(api, method)(url, {}, format="json")
+            if not 400 <= response.status_code < 500:
+                failures.append((method, path, value[:12], response.status_code))
+    assert not failures
