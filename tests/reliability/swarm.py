@@ -490,7 +490,9 @@ class SwarmClient:
             claims = self.claim(gate.tasks, GROUP_MAILBOX, run_id=gate_id, max=1, wait_ms=2000)
         self.complete(claims[0], {"member": member.id})
         record = self.waits.add(WaitRecord("group-parked", group.id, self.peer_name, self.home_name))
-        return group, member.id, record, self.group_wait(record, group.id)
+        # It outlasts the run (and the server's 30 s cap, so the SDK polls again).
+        timeout_ms = int((self.until - time.monotonic()) * 1000) + WAIT_LIMIT_MS
+        return group, member.id, record, self.group_wait(record, group.id, timeout_ms)
 
     def unpark(self, group, member_id: str, record: WaitRecord, waiting: Future) -> None:
         answer, decided_at = self.verdict(group, member_id, "accept")
@@ -588,11 +590,11 @@ class SwarmClient:
             record.release_s = at - decided_at
         return answer
 
-    def group_wait(self, record: WaitRecord, group_id: str) -> Future:
+    def group_wait(self, record: WaitRecord, group_id: str, timeout_ms: int = WAIT_LIMIT_MS) -> Future:
         peer_group = self.peer.groups.by_id(group_id)
 
         def wait():
-            group = peer_group.wait(timeout_ms=WAIT_LIMIT_MS)
+            group = peer_group.wait(timeout_ms=timeout_ms)
             record.state = group["state"]
             self.ledger.record(
                 "group_decision", ok=True, group_id=group_id, outcome=group["outcome"], reason=group["outcomeReason"]
