@@ -298,7 +298,7 @@ def test_a_method_no_path_documents_is_405_with_an_envelope(server, world):
             url = re.sub(r"\{[^}]+\}", "x", path)
             for method in sorted({"get", "put", "post", "patch", "delete"} - set(item)):
                 response = client.request(method.upper(), url)
-                FIGURES["requests (valid key)"] += 1
+                FIGURES["requests (valid key, method sweep)"] += 1
                 assert response.status_code == 405, (method, path, response.status_code)
                 assert response.headers["Content-Type"] == "application/json", (method, path, response.text[:200])
                 assert response.json()["error"]["code"] == "METHOD_NOT_ALLOWED", (method, path)
