@@ -98,7 +98,7 @@ schema = load_schema(max_examples=MAX_EXAMPLES, coverage=True)
 # Without a valid key every answer is the same 401: fewer examples say as much.
 keyless_schema = load_schema(max_examples=KEYLESS_MAX_EXAMPLES, coverage=False)
 
-# Requests made and 5xx answers seen, per key kind (printed at the end of the module).
+# Requests made and answers by status class, per key kind (printed at the end of the module).
 FIGURES: Counter = Counter()
 
 
@@ -124,7 +124,7 @@ def seed_world() -> dict:
     pid = project.id
     key = api_key_create(project_id=pid, permissions=list(ALL_PERMISSIONS), name="schemathesis").plaintext
     run = run_create(project_id=pid, name="fuzz")
-    child = run_create(project_id=pid, parent_id=run.id, name="child")
+    run_create(project_id=pid, parent_id=run.id, name="child")
     work, _ = mailbox_ensure(project_id=pid, name="work", mode="WORK")
     queue, _ = mailbox_ensure(project_id=pid, name="queue", mode="QUEUE")
     task_submit(project_id=pid, mailbox=work, run_id=run.id, input={"n": 1})
@@ -141,9 +141,7 @@ def seed_world() -> dict:
     return {
         "key": key,
         "run_id": str(run.id),
-        "child_id": str(child.id),
         "task_id": str(queued.id),
-        "claimed_task_id": str(claim.task.id),
         "member_id": str(member.id),
         "claim_id": claim.claim_id,
         "message_id": str(delivery.message.id),
@@ -250,8 +248,7 @@ def call_and_validate(case, key_kind: str, server, world: dict):
     timeout = STREAM_READ_S if case.operation.path == "/v1/events/stream" else REQUEST_TIMEOUT_S
     FIGURES[f"requests ({key_kind} key)"] += 1
     response = case.call(base_url=server.url, headers=headers, timeout=timeout)
-    if response.status_code >= 500:
-        FIGURES[f"5xx ({key_kind} key)"] += 1
+    FIGURES[f"{response.status_code // 100}xx ({key_kind} key)"] += 1
     case.validate_response(response, checks=CHECKS, headers=headers, transport_kwargs={"base_url": server.url})
     return response
 
