@@ -40,6 +40,7 @@ import os
 import platform
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -72,12 +73,26 @@ def event_cursors(project_id) -> set[str]:
     return {f"{txid}-{id}" for txid, id in Event.objects.filter(project_id=project_id).values_list("txid", "id")}
 
 
+def other_test_sessions() -> int:
+    """Count the pytest processes on the machine besides this one (other suites sharing the CPUs)."""
+    count = 0
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmdline.parent.name != str(os.getpid()) and any(w.endswith(b"pytest") for w in words[:3]):
+            count += 1
+    return count
+
+
 class ConnectionSampler(threading.Thread):
-    """Sample the number of connections to the test database every half second; keep the peak."""
+    """Sample the connections to the test database every half second (keep the peak), and other pytest sessions."""
 
     def __init__(self) -> None:
         super().__init__(name="connection-sampler", daemon=True)
         self.peak = 0
+        self.other_sessions = 0
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -86,6 +101,7 @@ class ConnectionSampler(threading.Thread):
                 while not self.stopping.wait(0.5):
                     cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
                     self.peak = max(self.peak, cursor.fetchone()[0])
+                    self.other_sessions = max(self.other_sessions, other_test_sessions())
         finally:
             connection.close()
 
@@ -124,6 +140,7 @@ def test_swarm_on_two_servers_and_two_workers_releases_every_wait_without_a_5xx(
             database_cursors=lambda: event_cursors(project.id),
         )
         peak_connections = sampler.stop()
+        other_sessions = sampler.other_sessions
         dead = started.dead()
         logs = started.logs()
     report = ledger.merge(Ledger.load(tmp_path / "effects.jsonl")).check(project.id)
@@ -131,7 +148,7 @@ def test_swarm_on_two_servers_and_two_workers_releases_every_wait_without_a_5xx(
     summary = result.summary()
     print(f"\n{summary}\n\npeak database connections: {peak_connections}\n{report.describe()}")
     if RECORD:
-        record(result, report, peak_connections)
+        record(result, report, peak_connections, other_sessions)
 
     assert not dead, f"processes exited during the run: {dead}\n{logs}"
     assert peak_connections <= MAX_CONNECTIONS, f"{peak_connections} connections to the database at the peak"
@@ -154,7 +171,7 @@ def test_swarm_on_two_servers_and_two_workers_releases_every_wait_without_a_5xx(
     assert report.clean, report.describe()
 
 
-def record(result, report, connections: int) -> None:
+def record(result, report, connections: int, other_sessions: int) -> None:
     """Append this run's figures to docs/benchmarks.md."""
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     revision = subprocess.run(
@@ -170,7 +187,8 @@ def record(result, report, connections: int) -> None:
             f"### `tests/reliability/test_load.py` — {now}, commit {revision}",
             "",
             f"- Machine: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; PostgreSQL {pg_version} "
-            f"and Redis on the same machine; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
+            f"and Redis on the same machine; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "
+            f"other pytest sessions running on the same CPUs meanwhile: up to {other_sessions}",
             f"- Command: `RUNSTATE_SOAK_CLIENTS={result.clients} RUNSTATE_SOAK_SECONDS={result.seconds:g} "
             "RUNSTATE_SOAK_RECORD=1 .venv/bin/python -m pytest tests/reliability/test_load.py -s`",
             f"- Topology: 2 uvicorn API processes (pool {DB_POOL_SIZE} each), 2 Celery workers "
