@@ -6,8 +6,9 @@ merely busy, but while the server is down the background connects fail and retry
 growing backoff, so every request would hang for the whole timeout before its 503: longer
 than a client waits. Here a request that gets no connection within a short grace checks
 whether the server accepts a connection at all; if it does not, the request fails at once
-with that error (an ``OperationalError``: ``503 SERVICE_UNAVAILABLE``), otherwise it waits
-for the pool as before. One check serves every request of the process for a second.
+with that error (an ``OperationalError``: ``503 SERVICE_UNAVAILABLE``); otherwise — the
+server accepts one, or refuses only because it is full — it waits for the pool as before.
+One check serves every request of the process for a second.
 """
 
 import threading
@@ -22,6 +23,17 @@ READY_GRACE_S = 0.25
 # How long one check's answer holds for every request of the process.
 PROBE_TTL_S = 1.0
 PROBE_CONNECT_TIMEOUT_S = 2
+
+
+# How PostgreSQL refuses a connection when it is up but has no slot left (max_connections,
+# a role's or a database's CONNECTION LIMIT). psycopg gives such a refusal no SQLSTATE, only
+# the server's message (FATAL 53300), so the message is what tells it from a server that is down.
+FULL_SERVER_MESSAGES = ("too many clients", "too many connections", "remaining connection slots")
+
+
+def _server_is_full(refused: Exception) -> bool:
+    message = str(refused).lower()
+    return any(full in message for full in FULL_SERVER_MESSAGES)
 
 
 class FailFastPool(ConnectionPool):
@@ -55,8 +67,9 @@ class FailFastPool(ConnectionPool):
             kwargs = {**self._resolve_kwargs(), "connect_timeout": PROBE_CONNECT_TIMEOUT_S}
             try:
                 self.connection_class.connect(self._resolve_conninfo(), **kwargs).close()
-            except Exception as refused:  # noqa: BLE001 - any refusal means the server is not there
-                self._probe_error = refused
+            except Exception as refused:  # noqa: BLE001 - any refusal means the server is not there...
+                # ...unless it is there but full: then the pool's own connections will come back.
+                self._probe_error = None if _server_is_full(refused) else refused
             else:
                 self._probe_error = None
             self._probed_at = time.monotonic()

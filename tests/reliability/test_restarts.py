@@ -648,3 +648,29 @@ def test_c_the_pool_refuses_at_once_while_the_server_is_down_and_serves_once_it_
             pool.close()
     finally:
         server.destroy()
+
+
+def test_d_a_server_that_is_up_but_full_is_waited_for_not_refused():
+    """A server refusing new connections because it is full is up: a request waits for the pool's own."""
+    server = ThrowawayPostgres()
+    try:
+        server.init()
+        with psycopg.connect(server.url(), autocommit=True) as admin:
+            admin.execute("CREATE ROLE capped LOGIN CONNECTION LIMIT 1")
+        pool = FailFastPool(
+            conninfo=server.url().replace("postgres@", "capped@"), min_size=1, max_size=1, timeout=30, open=True
+        )
+        try:
+            pool.wait(timeout=30)
+            held = pool.getconn()  # the role's only slot: the pool's check connection is refused
+            giving_back = threading.Timer(1.0, pool.putconn, args=(held,))
+            giving_back.start()
+            try:
+                with pool.connection() as conn:  # waits past the grace, probes, is told "too many"
+                    assert conn.execute("SELECT current_user").fetchone() == ("capped",)
+            finally:
+                giving_back.join()
+        finally:
+            pool.close()
+    finally:
+        server.destroy()
