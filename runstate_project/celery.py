@@ -55,7 +55,9 @@ def _survive_broker_loss_with_unacked_messages(sender=None, **kwargs) -> None:
     an unrecoverable error and stops for good, rather than reconnecting once Redis is back.
     Raise the connection error kombu raises when the broker refuses, which those callers
     handle: the messages stay in Redis's unacked set until the visibility timeout, and the
-    re-wake sweep sends any runstate work still unclaimed meanwhile.
+    re-wake sweep sends any runstate work still unclaimed meanwhile. Upstream reports of the
+    same symptom (a worker that never recovers from a Redis connection reset): celery/celery
+    #10205, #8030. Drop this patch once the pinned kombu raises a connection error there.
     """
     from kombu.transport import redis as kombu_redis
 
