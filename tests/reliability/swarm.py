@@ -62,6 +62,9 @@ CELERY_MAILBOX = "swarm-celery"
 TASK_MODULE = "tests.reliability.swarm_tasks"
 # The file the Celery handlers append their ledger entries to (set by ``deployment``).
 LEDGER_ENV = "RUNSTATE_SWARM_LEDGER"
+# Each process of the deployment names its database connections ``<prefix><process>``, so the
+# connections of the topology can be counted apart from others on the same database.
+APPLICATION_NAME_PREFIX = "runstate-swarm-"
 # Every wait must be released well before this; it only bounds a hang.
 WAIT_LIMIT_MS = 60_000
 SCENARIOS = ("work", "group", "cancel", "celery", "clock", "crowd", "work", "group")
@@ -140,6 +143,11 @@ def celery_worker_command(concurrency: int) -> list[str]:
     ]
 
 
+def _with_application_name(database_url: str, name: str) -> str:
+    """Return ``database_url`` asking PostgreSQL to show its connections as ``name``."""
+    return f"{database_url}{'&' if '?' in database_url else '?'}application_name={name}"
+
+
 @contextmanager
 def deployment(
     *,
@@ -177,9 +185,13 @@ def deployment(
         for name, command in commands:
             log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
+            tagged = {
+                **env,
+                "DATABASE_URL": _with_application_name(env["DATABASE_URL"], APPLICATION_NAME_PREFIX + name),
+            }
             children.append(
                 subprocess.Popen(
-                    command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    command, cwd=root, env=tagged, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
             )
         servers = [f"http://127.0.0.1:{port}" for port in ports]

@@ -17,14 +17,14 @@ Each client also keeps one group wait parked for the whole run, so the servers c
 long-polls on top of the traffic, and an event follower reads the whole event log, each
 page through the other server than the last.
 
-Asserted: not one 5xx answer (503 included) among all HTTP answers, retries included;
-every wait released, both ways across the servers, and a group wait saw the decision its
-decider was told; both Celery workers ran tasks; the event follower saw every event of the
-database once, in cursor order; no client thread hit an unexpected error; at most 50
-connections to the database at any time; and the ``Ledger`` (``tests/reliability/ledger.py``)
-finds the database clean: nothing claimed or finished twice, nothing acknowledged lost, no
-group decided twice, nothing accepted under a run after its cancel, a Celery handler run at
-most once per claim. No duration is asserted.
+Asserted: not one 5xx answer (503 included) among all HTTP answers, retries included; every
+wait released, both ways across the servers, and a group wait saw the decision its decider
+was told; both Celery workers ran tasks; the event follower saw every event of the database
+once, in cursor order; no client thread hit an unexpected error; at most 50 connections from
+the deployment's processes to the database at any time; and the ``Ledger``
+(``tests/reliability/ledger.py``) finds the database clean: nothing claimed or finished
+twice, nothing acknowledged lost, no group decided twice, nothing accepted under a run after
+its cancel, a Celery handler run at most once per claim. No duration is asserted.
 
 The test prints per-operation counts and p50/p99 latency, the HTTP status totals per
 server and the wait release latency. Settings (environment):
@@ -48,7 +48,7 @@ from django.db import connection
 from coordination.models import Event
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from tests.reliability.ledger import Ledger
-from tests.reliability.swarm import PROJECT, deployment, run_swarm
+from tests.reliability.swarm import APPLICATION_NAME_PREFIX, PROJECT, deployment, run_swarm
 from tests.workers.live import ROOT, TEST_BROKER_URL, beat_command, child_env, purge_broker
 
 CLIENTS = int(os.environ.get("RUNSTATE_SOAK_CLIENTS", "10"))
@@ -87,7 +87,11 @@ def other_test_sessions() -> int:
 
 
 class ConnectionSampler(threading.Thread):
-    """Sample the connections to the test database every half second (keep the peak), and other pytest sessions."""
+    """Sample the deployment's database connections every half second (keep the peak), and other pytest sessions.
+
+    Only the topology's own processes count (by ``application_name``): in the whole suite, other
+    fixtures' servers (the SDK tests' uvicorn and its pool) stay connected to the same database.
+    """
 
     def __init__(self) -> None:
         super().__init__(name="connection-sampler", daemon=True)
@@ -99,7 +103,11 @@ class ConnectionSampler(threading.Thread):
         try:
             with connection.cursor() as cursor:
                 while not self.stopping.wait(0.5):
-                    cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+                    cursor.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND application_name LIKE %s",
+                        [APPLICATION_NAME_PREFIX + "%"],
+                    )
                     self.peak = max(self.peak, cursor.fetchone()[0])
                     self.other_sessions = max(self.other_sessions, other_test_sessions())
         finally:
