@@ -49,9 +49,17 @@ def add_transport_errors(result, generator, request, public):
     for item in result.get("paths", {}).values():
         for operation in item.values():
             responses = operation.setdefault("responses", {})
+            # An operation answering another type than JSON (the event stream) negotiates
+            # nothing: it never answers 406 (``coordination.api.negotiation``).
+            negotiates = not any(
+                answer.get("content") and "application/json" not in answer["content"]
+                for status, answer in responses.items()
+                if status.startswith("2")
+            )
             if any("bearerAuth" in requirement for requirement in operation.get("security", [])):
                 for status, response in KEYED_ERRORS.items():
-                    responses.setdefault(status, response)
+                    if status != "406" or negotiates:
+                        responses.setdefault(status, response)
             if "requestBody" in operation:
                 for status, response in BODY_ERRORS.items():
                     responses.setdefault(status, response)

@@ -184,9 +184,12 @@ def test_a_stream_is_refused_with_the_error_envelope_before_it_starts(project, o
         ({}, STREAM, 401, "UNAUTHENTICATED"),
         ({"HTTP_AUTHORIZATION": f"Bearer {reader}", "HTTP_LAST_EVENT_ID": "1-x"}, STREAM, 400, "VALIDATION_ERROR"),
     ]
-    for headers, path, status, code in cases:
-        response = anon.get(path, **headers)
-        assert (response.status_code, response.json()["error"]["code"]) == (status, code), path
+    # A browser's EventSource accepts text/event-stream alone: the refusal is JSON all the same.
+    for accept in ({}, {"HTTP_ACCEPT": "text/event-stream"}):
+        for headers, path, status, code in cases:
+            response = anon.get(path, **headers, **accept)
+            assert (response.status_code, response.json()["error"]["code"]) == (status, code), (path, accept)
+            assert response["Content-Type"] == "application/json", (path, accept)
 
 
 def test_a_key_bound_to_a_run_streams_only_its_subtree(project):

@@ -4,12 +4,12 @@ from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from prometheus_client import CONTENT_TYPE_LATEST
-from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import AllowAny
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.views import APIView
 
 from coordination import metrics
+from coordination.api.negotiation import FirstRenderer
 
 
 class PrometheusTextRenderer(BaseRenderer):
@@ -19,16 +19,6 @@ class PrometheusTextRenderer(BaseRenderer):
 
     def render(self, data, accepted_media_type=None, renderer_context=None):  # noqa: D102
         return data
-
-
-class FirstRenderer(BaseContentNegotiation):
-    """Answer in the text format whatever the client accepts (scrapers send varied Accept headers)."""
-
-    def select_parser(self, request, parsers):  # noqa: D102
-        return parsers[0] if parsers else None
-
-    def select_renderer(self, request, renderers, format_suffix=None):  # noqa: D102
-        return renderers[0], renderers[0].media_type
 
 
 class MetricsView(APIView):

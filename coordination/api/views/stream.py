@@ -7,6 +7,7 @@ from rest_framework import serializers
 
 from coordination import selectors
 from coordination.api.longpoll import _close_connection, in_request
+from coordination.api.negotiation import FirstRenderer
 from coordination.api.presenters import present_event
 from coordination.api.sse import BATCH, event_frames, event_stream_response
 from coordination.api.views.base import ERRORS, AsyncApiView
@@ -40,6 +41,9 @@ class EventStreamView(AsyncApiView):
     """Stream events as they commit, resumable with ``Last-Event-ID``."""
 
     required_permissions = {"GET": Permission.COORDINATION_READ}
+    # The stream answers text/event-stream itself; refusals before it starts are the JSON
+    # envelope (the first renderer) even for a client accepting only text/event-stream.
+    content_negotiation_class = FirstRenderer
 
     @extend_schema(
         operation_id="events_stream",
