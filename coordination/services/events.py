@@ -51,8 +51,15 @@ def events_record_many(events: list[Event]) -> None:
         return
     if not connection.in_atomic_block:
         raise RuntimeError("events must be written inside the transaction of their change")
+    # One transaction, one txid: read it once rather than as an expression on every row,
+    # which Django compiles row by row (two thirds of the cost of inserting 1,000 events).
+    txid = 0
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_current_xact_id()::text::bigint")
+            txid = cursor.fetchone()[0]
     for event in events:
-        event.txid = CurrentTxid() if connection.vendor == "postgresql" else 0
+        event.txid = txid
     Event.objects.bulk_create(events)
 
 
