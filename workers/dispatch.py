@@ -7,8 +7,9 @@ sweeps act on everything due within about a second anyway.
 import functools
 import logging
 import os
+import threading
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -17,22 +18,64 @@ from django.utils import timezone
 logger = logging.getLogger(__name__)
 
 
-def _send(task, args: list, eta: datetime) -> None:
+def _send(task, args: list, eta: datetime) -> bool:
+    """Send ``task`` with ``eta``; return whether a message went out."""
     # Far-future ETAs sit in worker memory and can outlive a broker's visibility timeout;
     # the periodic dispatch of upcoming timers sends those again when they come close.
     if eta - timezone.now() > timedelta(seconds=settings.RUNSTATE_ETA_HORIZON_S):
-        return
+        return False
     try:
         task.apply_async(args=args, eta=eta, expires=eta + timedelta(minutes=10))
     except Exception:  # noqa: BLE001 - the sweep is the safety net
         logger.warning("could not dispatch %s%s; the sweep will act on it", task.name, args, exc_info=True)
+        return False
+    return True
+
+
+# Timer wake-ups are coalesced per bucket of due time: a wake-up fires every timer due by
+# then (workers.tasks.fire_timer drains), so a burst needs two messages per bucket, not one
+# per timer. The first timer of a bucket is woken at its own time (a lone timer stays exact);
+# the second sends one more wake-up at the bucket's end, which covers every later timer of
+# the bucket (at most TIMER_WAKE_BUCKET late); the rest send nothing.
+TIMER_WAKE_BUCKET = timedelta(milliseconds=100)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_timer_wake_lock = threading.Lock()
+_timer_wakes_sent: dict[int, int] = {}  # bucket number -> wake-ups sent or being sent for it
+
+
+def _timer_wake_reserve(bucket: int) -> int | None:
+    """Count one more wake-up for ``bucket``; return how many were there before, None if enough."""
+    with _timer_wake_lock:
+        sent = _timer_wakes_sent.get(bucket, 0)
+        if sent >= 2:
+            return None
+        if len(_timer_wakes_sent) > 10_000:
+            # Forget buckets already past: their wake-ups are delivered or lost either way.
+            current = (timezone.now() - _EPOCH) // TIMER_WAKE_BUCKET
+            for old in [b for b in _timer_wakes_sent if b < current]:
+                del _timer_wakes_sent[old]
+        _timer_wakes_sent[bucket] = sent + 1
+        return sent
+
+
+def _timer_wake_release(bucket: int) -> None:
+    """Forget a wake-up that was not sent, so the next timer of ``bucket`` sends one."""
+    with _timer_wake_lock:
+        if _timer_wakes_sent.get(bucket, 0) > 0:
+            _timer_wakes_sent[bucket] -= 1
 
 
 def dispatch_timer(timer_id: uuid.UUID, fire_at: datetime) -> None:
-    """Ask a worker to fire ``timer_id`` at ``fire_at``."""
+    """Ask a worker to fire ``timer_id`` at ``fire_at``, or by the end of its bucket with the others due then."""
     from workers.tasks import fire_timer
 
-    _send(fire_timer, [str(timer_id)], fire_at)
+    bucket = (fire_at - _EPOCH) // TIMER_WAKE_BUCKET
+    sent = _timer_wake_reserve(bucket)
+    if sent is None:
+        return
+    eta = fire_at if sent == 0 else _EPOCH + (bucket + 1) * TIMER_WAKE_BUCKET
+    if not _send(fire_timer, [str(timer_id)], max(eta, fire_at)):
+        _timer_wake_release(bucket)
 
 
 def dispatch_run_deadline(run_id: uuid.UUID, deadline: datetime) -> None:

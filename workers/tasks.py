@@ -31,19 +31,17 @@ def _drain(sweep, budget_s: float = SWEEP_BUDGET_S, **kwargs) -> int:
 
 @shared_task(name="runstate.fire_timer", ignore_result=True)
 def fire_timer(timer_id: str) -> None:
-    """Fire one timer at its due time (dispatched on creation with an ETA).
+    """Fire one timer at its due time (dispatched on creation with an ETA), then every other due timer.
 
-    Timers often come due together: once this one fired, fire the others already due in
-    batches too, so a burst costs a few transactions instead of one per timer (the ETA
-    messages of those then find them fired and do nothing).
+    Timers often come due together and their wake-ups are coalesced (``workers.dispatch``):
+    this message stands for every timer of its bucket, so it drains the due ones in batches
+    whatever became of its own timer (fired by a sweep, cancelled).
     """
     from coordination.services.timers import timer_fire, timers_fire_due
-    from coordination.states import TimerState
 
     close_old_connections()
-    timer = timer_fire(timer_id=uuid.UUID(timer_id))
-    if timer is not None and timer.state == TimerState.FIRED:
-        _drain(timers_fire_due, budget_s=0.5)
+    timer_fire(timer_id=uuid.UUID(timer_id))
+    _drain(timers_fire_due, budget_s=0.5)
 
 
 @shared_task(name="runstate.sweep_run_deadline", ignore_result=True)
