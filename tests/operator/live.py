@@ -1,8 +1,6 @@
 """A real uvicorn process serving the suite's test database (PostgreSQL or the SQLite file)."""
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +10,8 @@ from pathlib import Path
 
 import httpx
 from django.db import connection
+
+from tests.processes import free_port, stop_process_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,12 +27,6 @@ def database_env() -> dict[str, str]:
         port = s["PORT"] or 5432
         return {"DATABASE_URL": f"postgres://{auth}@{host}:{port}/{s['NAME']}"}
     return {"DATABASE_URL": "", "RUNSTATE_SQLITE_PATH": str(s["NAME"])}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -83,10 +77,4 @@ def uvicorn_server(log_dir: Path, *, log_level: str = "warning", **env):
             time.sleep(0.1)
         yield server
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_groups([process], grace_s=15)

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.processes import free_port, stop_process_groups
 
 PROJECT = "swarm"
 WORK_MAILBOX = "swarm-work"
@@ -101,12 +101,6 @@ class Deployment:
     def dead(self) -> list[str]:
         """Return the logs of the children that exited."""
         return [f"{c.args[:4]} exited {c.returncode}" for c in self.children if c.poll() is not None]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def uvicorn_command(port: int) -> list[str]:
@@ -212,18 +206,7 @@ def deployment(
                 time.sleep(0.2)
         yield started
     finally:
-        import signal
-
-        for child in children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for child in children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+        stop_process_groups(children)
         for log in logs:
             log.close()
 

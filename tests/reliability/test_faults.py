@@ -38,9 +38,10 @@ from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import claim_id_for
 from tests.concurrency.util import run_in_threads
+from tests.processes import free_port
 from tests.reliability import fault_tasks
 from tests.reliability.ledger import Ledger, Services
-from tests.sdk.conftest import free_port, server_env, wait_for_quiet_server
+from tests.sdk.conftest import server_env, wait_for_quiet_server
 from tests.workers.live import ROOT, TEST_BROKER_URL, beat_command, child_env, purge_broker, wait_until
 from workers.decorators import registry
 

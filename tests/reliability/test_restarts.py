@@ -18,7 +18,6 @@ Durations are reported (``-s``), never asserted.
 import logging
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -33,10 +32,10 @@ import pytest
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from runstate_project.postgresql.base import FailFastPool
+from tests.processes import free_port, stop_process_groups
 from tests.reliability.ledger import Ledger
 from tests.reliability.throwaway import (  # noqa: F401 - fixtures
     ThrowawayPostgres,
-    free_port,
     throwaway_postgres,
     throwaway_redis,
 )
@@ -195,15 +194,7 @@ def stack(throwaway_postgres, throwaway_redis, tmp_path_factory):  # noqa: F811 
                 assert client.put(f"/v1/mailboxes/{name}", json={"mode": "WORK"}).status_code in (200, 201)
         yield built
     finally:
-        for process in built.processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in built.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_groups(built.processes.values())
 
 
 # The load ------------------------------------------------------------------------------

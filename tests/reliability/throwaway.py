@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import free_port
+
 
 def _pg_bin() -> Path:
     """Where the server's programs (initdb, pg_ctl) are: RUNSTATE_TEST_PG_BIN, else ``pg_config --bindir``."""
@@ -36,13 +38,6 @@ def _pg_bin() -> Path:
 PG_BIN = _pg_bin()
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 PG_OS_USER = "postgres"
-
-
-def free_port() -> int:
-    """Return a TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def port_open(port: int) -> bool:

@@ -7,8 +7,6 @@ handed to the SDK through ``RUNSTATE_URL`` / ``RUNSTATE_API_KEY``, as a user wou
 """
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ import pytest
 from django.db import connection
 
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
+from tests.processes import free_port, stop_process_groups
 from tests.workers.live import test_database_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +32,6 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_env(**extra: str) -> dict[str, str]:
@@ -90,13 +83,7 @@ def sdk_server(django_db_setup, tmp_path_factory):
             time.sleep(0.1)
         yield server
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_process_groups([process], grace_s=15)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """Start real Celery worker and beat processes against the test database and a real broker."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -9,6 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from django.db import connection
+
+from tests.processes import stop_process_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_BROKER_URL = os.environ.get("RUNSTATE_TEST_WORKER_BROKER_URL", "redis://127.0.0.1:6379/14")
@@ -58,16 +59,8 @@ def processes(*commands, log_dir: Path):
             children.append((child, log))
         yield [child for child, _ in children]
     finally:
-        for child, _ in children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for child, log in children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+        stop_process_groups(child for child, _ in children)
+        for _, log in children:
             log.close()
 
 

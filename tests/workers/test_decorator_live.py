@@ -26,6 +26,7 @@ from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import claim_complete, claim_id_for, claim_renew
 from coordination.states import TASK_TERMINAL
 from tests.conftest import make_client
+from tests.processes import stop_process_groups
 from tests.workers import celery_tasks as ct
 from tests.workers.celery_tasks import read_notes
 from tests.workers.live import ROOT, beat_command, child_env, wait_until
@@ -95,16 +96,8 @@ class Cluster:
         child.wait(10)
 
     def stop(self) -> None:
-        for child, _ in self.children:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for child, log in self.children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+        stop_process_groups(child for child, _ in self.children)
+        for _, log in self.children:
             log.close()
 
 

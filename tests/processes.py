@@ -1,0 +1,33 @@
+"""Child processes of the live tests: free ports and stopping process groups."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterable
+
+
+def free_port() -> int:
+    """Return a TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop_process_groups(processes: Iterable[subprocess.Popen], grace_s: float = 20) -> None:
+    """SIGTERM each child's process group, wait up to ``grace_s`` in all, then SIGKILL what is left.
+
+    Children must have been started with ``start_new_session=True`` (their pid is their group).
+    """
+    processes = list(processes)
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
