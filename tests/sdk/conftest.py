@@ -7,31 +7,18 @@ handed to the SDK through ``RUNSTATE_URL`` / ``RUNSTATE_API_KEY``, as a user wou
 """
 
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from django.db import connection
 
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
-from tests.processes import free_port, stop_process_groups
+from tests.operator.live import uvicorn_server
 from tests.workers.live import test_database_url
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 def server_env(**extra: str) -> dict[str, str]:
@@ -49,41 +36,8 @@ def server_env(**extra: str) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def sdk_server(django_db_setup, tmp_path_factory):
     """Start one uvicorn server on the test database for the whole session."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("sdk-server") / "uvicorn.log"
-    command = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "runstate_project.asgi:application",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = Server(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"uvicorn exited ({process.returncode}):\n{server.log()}")
-            try:
-                if httpx.get(f"{server.url}/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not answer within 60 s:\n{server.log()}")
-            time.sleep(0.1)
+    with uvicorn_server(tmp_path_factory.mktemp("sdk-server")) as server:
         yield server
-    finally:
-        stop_process_groups([process], grace_s=15)
 
 
 @dataclass(frozen=True)
