@@ -63,8 +63,8 @@ def main() -> None:
 
     from coordination import exceptions
     from coordination.models import Event, Task
+    from coordination.services.claims import task_claim
     from coordination.services.runs import run_cancel
-    from coordination.services.tasks import task_claim
 
     seconds = []
     for round_no in range(1, args.rounds + 1):

@@ -17,10 +17,10 @@ from bench.throughput import UvicornServer, percentile, setup_django
 
 def make_group(members: int, threshold: int):
     """A group with ``members`` succeeded members awaiting verdicts."""
+    from coordination.services.claims import claim_complete, task_claim
     from coordination.services.groups import group_create, group_submit
     from coordination.services.keys import project_ensure
     from coordination.services.mailboxes import mailbox_ensure
-    from coordination.services.tasks import claim_complete, task_claim
 
     project = project_ensure(name=f"bench-groups-{uuid.uuid4().hex[:8]}")
     mailbox, _ = mailbox_ensure(project_id=project.id, name="reviews", mode="WORK")

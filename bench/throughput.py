@@ -496,7 +496,8 @@ def count_service_statements(batch: int) -> dict[str, list[str]]:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from coordination.services.tasks import claim_complete, task_claim, task_submit
+    from coordination.services.claims import claim_complete, task_claim
+    from coordination.services.tasks import task_submit
 
     project, mailbox, run = service_fixture("statements")
     common = {"project_id": project.id, "mailbox": mailbox}
@@ -527,7 +528,8 @@ def time_service_calls(batch: int, calls: int = 200) -> tuple[dict[str, tuple[fl
     """
     from django.db import connection
 
-    from coordination.services.tasks import claim_complete, task_claim, task_submit
+    from coordination.services.claims import claim_complete, task_claim
+    from coordination.services.tasks import task_submit
 
     note = wait_for_quiet(**QUIET)
     print(f"per-call costs: {note}", flush=True)
@@ -569,7 +571,8 @@ def run_service_scenario(tasks: int, workers: int, batch: int) -> ScenarioResult
     """Submit ``tasks`` with ``workers`` threads, then claim and complete them all with ``workers`` threads."""
     from django.db import connection
 
-    from coordination.services.tasks import claim_complete, task_claim, task_submit
+    from coordination.services.claims import claim_complete, task_claim
+    from coordination.services.tasks import task_submit
 
     truncate_coordination_tables()
     project, mailbox, run = service_fixture(f"svc-w{workers}")

@@ -15,3 +15,16 @@ def uuid7() -> uuid.UUID:
     value |= 0b10 << 62  # variant
     value |= rand & ((1 << 62) - 1)  # rand_b, 62 bits
     return uuid.UUID(int=value)
+
+
+def fence_id(prefix: str, object_id: uuid.UUID, attempt: int) -> str:
+    """Return the opaque id of ``attempt`` on ``object_id``: a claim (``c``) or a delivery (``d``)."""
+    return f"{prefix}_{object_id.hex}_{attempt}"
+
+
+def parse_fence_id(prefix: str, value: object) -> tuple[uuid.UUID, int]:
+    """Split a ``fence_id`` into object id and attempt; raise ``ValueError`` when malformed."""
+    found_prefix, object_hex, attempt = str(value).split("_")
+    if found_prefix != prefix:
+        raise ValueError(found_prefix)
+    return uuid.UUID(hex=object_hex), int(attempt)

@@ -37,14 +37,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection
 
 from coordination import exceptions
-from coordination.services.tasks import (
-    Claim,
-    claim_complete,
-    claim_fail,
-    claim_release,
-    claim_renew,
-    task_claim_by_id,
-)
+from coordination.services.claims import Claim, claim_complete, claim_fail, claim_release, claim_renew, task_claim_by_id
 from coordination.states import TaskState
 
 if TYPE_CHECKING:

@@ -65,7 +65,7 @@ def sweep_timers() -> int:
 def sweep_leases() -> int:
     """Return expired leases to the queue (or fail them); finalize cancellations whose lease or grace ran out."""
     from coordination.services.messages import messages_cancel_orphaned_in_flight
-    from coordination.services.tasks import tasks_settle_expired_leases
+    from coordination.services.sweeps import tasks_settle_expired_leases
 
     return _drain(tasks_settle_expired_leases) + _drain(messages_cancel_orphaned_in_flight)
 
@@ -75,7 +75,7 @@ def sweep_deadlines() -> int:
     """Act on passed deadlines: runs (their subtree's work), groups, and tasks' ``expiresAt``."""
     from coordination.services.groups import groups_finalize_due
     from coordination.services.runs import runs_sweep_deadlines
-    from coordination.services.tasks import tasks_expire_queued
+    from coordination.services.sweeps import tasks_expire_queued
 
     return _drain(runs_sweep_deadlines) + _drain(groups_finalize_due) + _drain(tasks_expire_queued)
 
@@ -115,7 +115,7 @@ def rewake_unclaimed_work() -> int:
     every decorated task module (docs/deploy.md). One batch per run: a deep backlog is
     re-announced gradually, never all at once.
     """
-    from coordination.services.tasks import tasks_rewake_unclaimed
+    from coordination.services.sweeps import tasks_rewake_unclaimed
     from workers.decorators import registry
     from workers.dispatch import rewake_after_s
 

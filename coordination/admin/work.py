@@ -23,8 +23,9 @@ from django.utils.timesince import timesince
 
 from coordination.exceptions import CoordinationError, ValidationFailed
 from coordination.models import Mailbox, Message, Task
+from coordination.services.claims import claim_id_for, claim_release
 from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_attempts
-from coordination.services.tasks import claim_id_for, claim_release, task_cancel
+from coordination.services.tasks import task_cancel
 from coordination.states import TASK_HELD, MailboxMode, MessageState, TaskState
 
 from .base import ServiceBackedAdmin, change_link, changelist_url, count_of, parse_uuid

@@ -4,8 +4,8 @@ from datetime import UTC, datetime
 
 from coordination.models import Barrier, Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup, Timer
 from coordination.selectors import EffectiveState, event_cursor
+from coordination.services.claims import Claim
 from coordination.services.messages import Delivery
-from coordination.services.tasks import Claim
 from coordination.states import TaskState
 
 

@@ -12,7 +12,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.models import Barrier, BarrierArrival, Event, Run
 from coordination.services.cascade import SubtreeEnd
-from coordination.services.events import events_record_many
+from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.states import BarrierState
 
@@ -21,15 +21,7 @@ MAX_KEY_LENGTH = 200
 
 
 def _event(barrier: Barrier, type: str, **data) -> Event:
-    return Event(
-        project_id=barrier.project_id,
-        type=type,
-        run_id=barrier.run_id,
-        run_path=barrier.run_path,
-        subject_id=str(barrier.id),
-        data={"epoch": barrier.epoch, **data},
-        created_at=timezone.now(),
-    )
+    return event_for(barrier, type, epoch=barrier.epoch, **data)
 
 
 @transaction.atomic

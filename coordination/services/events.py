@@ -24,6 +24,50 @@ class CurrentTxid(Func):
 READ_TXID_ONCE_FROM = 8
 
 
+def event_row(*, project_id, type: str, run_id, run_path: str, subject_id: object, data: dict) -> Event:
+    """Build (not save) one event row; ``events_record_many`` writes a list of them."""
+    return Event(
+        project_id=project_id,
+        type=type,
+        run_id=run_id,
+        run_path=run_path,
+        subject_id=str(subject_id),
+        data=data,
+        created_at=timezone.now(),
+    )
+
+
+def event_for(subject, type: str, /, **data) -> Event:
+    """Build the event row of a change to ``subject``: a task, message, barrier or timer on a run."""
+    return event_row(
+        project_id=subject.project_id,
+        type=type,
+        run_id=subject.run_id,
+        run_path=subject.run_path,
+        subject_id=subject.id,
+        data=data,
+    )
+
+
+# The columns of an event row, and the txid expression every SQL statement writes events with.
+EVENT_COLUMNS = "txid, project_id, type, run_id, run_path, subject_id, data, created_at"
+TXID_SQL = "pg_current_xact_id()::text::bigint"
+
+
+def event_insert_sql(source: str, *, type_sql: str, data_sql: str, created_at_sql: str = "%(now)s") -> str:
+    """Return SQL inserting one event per row of ``source`` (a CTE over task-like rows), PostgreSQL.
+
+    ``source`` rows carry ``id``, ``project_id``, ``run_id`` and ``run_path``; ``type_sql`` and
+    ``data_sql`` are expressions over them. Used as a data-modifying CTE, so the change and its
+    events are one statement.
+    """
+    return (
+        f"INSERT INTO coordination_event ({EVENT_COLUMNS}) "
+        f"SELECT {TXID_SQL}, project_id, {type_sql}, run_id, run_path, id::text, {data_sql}, {created_at_sql} "
+        f"FROM {source}"
+    )
+
+
 def event_record(
     *,
     project_id,

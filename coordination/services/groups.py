@@ -6,7 +6,6 @@ then the group row, then task rows. ``group_evaluate`` is the one place where th
 table is applied; it runs inside every transaction that can change its inputs.
 """
 
-import functools
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,8 +18,9 @@ from coordination.group_rules import MemberFacts, decide
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
 from coordination.services.cascade import SubtreeEnd
-from coordination.services.events import events_record_many
+from coordination.services.events import event_row, events_record_many
 from coordination.services.locking import LockMode, chain_refusal, run_chain_lock
+from coordination.services.retry import GroupDue, retrying
 from coordination.services.runs import run_create, run_end
 from coordination.states import (
     TASK_TERMINAL,
@@ -33,42 +33,6 @@ from coordination.states import (
     TaskState,
     Verdict,
 )
-
-
-class GroupMembershipChanged(Exception):  # noqa: N818 - internal retry signal, not an error
-    """A task joined a group between our unlocked read and our lock: start the transaction over."""
-
-
-class GroupDue(Exception):  # noqa: N818 - internal retry signal, not an error
-    """The group is past its deadline (or its gate is inactive): finalize it first, in its own commit."""
-
-    def __init__(self, group_id: uuid.UUID) -> None:
-        super().__init__(str(group_id))
-        self.group_id = group_id
-
-
-def retrying(fn):
-    """Run a transactional service again after a retry signal (a few times at most).
-
-    ``GroupDue`` first commits the group's finalization, so the retried operation sees the
-    decided group (and refuses or records late, as the rules say) while the decision stays.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        for attempt in range(5):
-            try:
-                return fn(*args, **kwargs)
-            except GroupMembershipChanged:
-                if attempt == 4:
-                    raise
-            except GroupDue as due:
-                if attempt == 4:
-                    raise
-                group_finalize_if_due(group_id=due.group_id)
-        raise AssertionError("unreachable")
-
-    return wrapper
 
 
 @dataclass
@@ -124,14 +88,13 @@ def _member_facts(group: TaskGroup) -> list[MemberFacts]:
 
 
 def _event(group: TaskGroup, type: str, gate: Run, subject_id: object = None, **data) -> Event:
-    return Event(
+    return event_row(
         project_id=group.project_id,
         type=type,
         run_id=gate.id,
         run_path=gate.path,
-        subject_id=str(subject_id or group.id),
+        subject_id=subject_id or group.id,
         data=data,
-        created_at=timezone.now(),
     )
 
 

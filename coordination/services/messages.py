@@ -17,9 +17,10 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from coordination import exceptions
+from coordination.ids import fence_id, parse_fence_id
 from coordination.models import Event, Mailbox, Message, Run
 from coordination.services.cascade import SubtreeEnd
-from coordination.services.events import events_record_many
+from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.states import MailboxMode, MessageState, RunState
@@ -46,34 +47,19 @@ class Delivery:
 
 def delivery_id_for(message_id: uuid.UUID, attempt: int) -> str:
     """Return the delivery id of ``attempt`` on ``message_id``."""
-    return f"d_{message_id.hex}_{attempt}"
+    return fence_id("d", message_id, attempt)
 
 
 def parse_delivery_id(delivery_id: str) -> tuple[uuid.UUID, int]:
     """Split a delivery id into message id and attempt; a malformed one is ``NOT_FOUND``."""
     try:
-        prefix, message_hex, attempt = str(delivery_id).split("_")
-        if prefix != "d":
-            raise ValueError(prefix)
-        return uuid.UUID(hex=message_hex), int(attempt)
+        return parse_fence_id("d", delivery_id)
     except ValueError:
         raise exceptions.NotFound("Delivery not found.", deliveryId=str(delivery_id)) from None
 
 
-def _event(message: Message, type: str, **data) -> Event:
-    return Event(
-        project_id=message.project_id,
-        type=type,
-        run_id=message.run_id,
-        run_path=message.run_path,
-        subject_id=str(message.id),
-        data=data,
-        created_at=timezone.now(),
-    )
-
-
 def _record(message: Message, type: str, **data) -> None:
-    events_record_many([_event(message, type, **data)])
+    events_record_many([event_for(message, type, **data)])
 
 
 # Send ------------------------------------------------------------------------------------
@@ -171,7 +157,7 @@ def message_receive(
         message.attempts += 1
         message.visible_at = visible_until
         deliveries.append(Delivery(message, message.attempts, visible_until))
-    events_record_many([_event(d.message, "message.received", attempt=d.attempt) for d in deliveries])
+    events_record_many([event_for(d.message, "message.received", attempt=d.attempt) for d in deliveries])
     return deliveries
 
 
@@ -308,7 +294,7 @@ def messages_cancel_orphaned_in_flight(*, now: datetime | None = None, batch_siz
     )
     if due:
         Message.objects.filter(id__in=[m.id for m in due]).update(state=MessageState.CANCELLED, finished_at=now)
-    events_record_many([_event(m, "message.cancelled", cause="visibility_expired_run_inactive") for m in due])
+    events_record_many([event_for(m, "message.cancelled", cause="visibility_expired_run_inactive") for m in due])
     return len(due)
 
 

@@ -11,6 +11,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.models import Run
 from coordination.models.runs import MAX_DEPTH
+from coordination.services import dispatch
 from coordination.services.cascade import SubtreeEnd, subtree_end
 from coordination.services.events import event_record
 from coordination.services.locking import LockMode, run_chain_lock, run_chain_lock_active
@@ -67,10 +68,8 @@ def run_create(
         run.depth = parent.depth + 1
     run.save(force_insert=True)
     if deadline is not None:
-        from workers.dispatch import dispatch_run_deadline
-
         # Sweep the subtree at the deadline itself, not at the next periodic sweep.
-        transaction.on_commit(lambda: dispatch_run_deadline(run.id, deadline))
+        dispatch.run_deadline_due(run.id, deadline)
     event_record(
         project_id=project_id,
         type="run.created",

@@ -12,34 +12,13 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, Timer
+from coordination.services import dispatch
 from coordination.services.cascade import SubtreeEnd
-from coordination.services.events import events_record_many
+from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import run_chain_lock_active
 from coordination.states import TimerState
 
 MAX_DELAY_S = 10 * 365 * 24 * 3600
-
-
-def _event(timer: Timer, type: str, **data) -> Event:
-    return Event(
-        project_id=timer.project_id,
-        type=type,
-        run_id=timer.run_id,
-        run_path=timer.run_path,
-        subject_id=str(timer.id),
-        data=data,
-        created_at=timezone.now(),
-    )
-
-
-def _dispatch_on_commit(timer: Timer) -> None:
-    """Ask a worker to fire the timer at its due time, once the timer is committed.
-
-    The sweep is the safety net: a lost message (or no broker at all) only costs lateness.
-    """
-    from workers.dispatch import dispatch_timer
-
-    transaction.on_commit(lambda: dispatch_timer(timer.id, timer.fire_at))
 
 
 @transaction.atomic
@@ -65,11 +44,11 @@ def timer_create(
         fire_at=fire_at,
         created_at=now,
     )
-    events_record_many([_event(timer, "timer.created", fireAt=fire_at.isoformat())])
+    events_record_many([event_for(timer, "timer.created", fireAt=fire_at.isoformat())])
     if fire_at <= now:
         _fire(timer, now)
     else:
-        _dispatch_on_commit(timer)
+        dispatch.timer_due(timer.id, timer.fire_at)
     return timer
 
 
@@ -78,12 +57,12 @@ def _fire(timer: Timer, now: datetime) -> list[Event]:
     if timer.run_deadline is not None and timer.fire_at >= timer.run_deadline:
         timer.state = TimerState.CANCELLED
         timer.save(update_fields=["state"])
-        event = _event(timer, "timer.cancelled", cause="run_deadline")
+        event = event_for(timer, "timer.cancelled", cause="run_deadline")
     else:
         timer.state = TimerState.FIRED
         timer.fired_at = now
         timer.save(update_fields=["state", "fired_at"])
-        event = _event(timer, "timer.fired", fireAt=timer.fire_at.isoformat(), lateMs=_late_ms(timer, now))
+        event = event_for(timer, "timer.fired", fireAt=timer.fire_at.isoformat(), lateMs=_late_ms(timer, now))
     events_record_many([event])
     return [event]
 
@@ -127,11 +106,11 @@ def timers_fire_due(*, now: datetime | None = None, batch_size: int = 1000) -> i
     for timer in due:
         if timer.run_deadline is not None and timer.fire_at >= timer.run_deadline:
             cancelled.append(timer.id)
-            events.append(_event(timer, "timer.cancelled", cause="run_deadline"))
+            events.append(event_for(timer, "timer.cancelled", cause="run_deadline"))
         else:
             fired.append(timer.id)
             late_ms = _late_ms(timer, fire_time)
-            events.append(_event(timer, "timer.fired", fireAt=timer.fire_at.isoformat(), lateMs=late_ms))
+            events.append(event_for(timer, "timer.fired", fireAt=timer.fire_at.isoformat(), lateMs=late_ms))
     # We hold every row's lock since the SELECT above, so each is still ARMED; the guard and
     # the count check make a broken lock roll the whole batch back instead of firing twice.
     changed = 0
@@ -165,7 +144,7 @@ def timer_acknowledge(*, project_id: uuid.UUID, timer_id: uuid.UUID) -> Timer:
         timer.state = TimerState.ACKNOWLEDGED
         timer.acknowledged_at = now
         timer.save(update_fields=["state", "acknowledged_at"])
-        events_record_many([_event(timer, "timer.acknowledged")])
+        events_record_many([event_for(timer, "timer.acknowledged")])
     return timer
 
 
@@ -180,7 +159,7 @@ def timer_cancel(*, project_id: uuid.UUID, timer_id: uuid.UUID) -> Timer:
     if timer.state == TimerState.ARMED:
         timer.state = TimerState.CANCELLED
         timer.save(update_fields=["state"])
-        events_record_many([_event(timer, "timer.cancelled", cause="cancel_requested")])
+        events_record_many([event_for(timer, "timer.cancelled", cause="cancel_requested")])
     return timer
 
 
@@ -194,4 +173,4 @@ def timers_cancel_subtree(end: SubtreeEnd) -> None:
     if not timers:
         return
     Timer.objects.filter(id__in=[t.id for t in timers]).update(state=TimerState.CANCELLED)
-    events_record_many([_event(t, "timer.cancelled", cause=end.cause, reason=end.reason) for t in timers])
+    events_record_many([event_for(t, "timer.cancelled", cause=end.cause, reason=end.reason) for t in timers])

@@ -5,8 +5,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from coordination.models import Event, Run, Task, TaskGroup
+from coordination.services.claims import claim_complete, claim_fail, task_claim
 from coordination.services.groups import groups_finalize_due
-from coordination.services.tasks import claim_complete, claim_fail, task_claim
 
 pytestmark = pytest.mark.django_db
 
@@ -43,7 +43,7 @@ class Swarm:
         held = {str(c.task.id): c for c in claims}
         for other_id, claim in held.items():
             if other_id != task_id:
-                from coordination.services.tasks import claim_release
+                from coordination.services.claims import claim_release
 
                 claim_release(project_id=self.project.id, claim_id=claim.claim_id)
         claim = held[task_id]

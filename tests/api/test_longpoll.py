@@ -9,10 +9,11 @@ from django.db import connection, transaction
 
 from coordination.models import Project
 from coordination.notify import hub
+from coordination.services.claims import claim_complete, task_claim
 from coordination.services.events import event_record
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
-from coordination.services.tasks import claim_complete, task_claim, task_submit
+from coordination.services.tasks import task_submit
 
 # The waits read through other connections: the data must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)

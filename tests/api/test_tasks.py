@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from coordination.models import Event, Task
-from coordination.services.tasks import tasks_expire_queued, tasks_settle_expired_leases
+from coordination.services.sweeps import tasks_expire_queued, tasks_settle_expired_leases
 
 pytestmark = pytest.mark.django_db
 

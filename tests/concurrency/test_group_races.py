@@ -9,11 +9,11 @@ from django.db.models import Q
 
 from coordination import exceptions
 from coordination.models import Event, GroupMember, Task, TaskGroup
+from coordination.services.claims import claim_complete, claim_fail, task_claim
 from coordination.services.groups import group_close, group_create, group_submit, group_verdict
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
-from coordination.services.tasks import claim_complete, claim_fail, task_claim
 from coordination.states import Verdict
 from tests.concurrency.util import run_in_threads
 

@@ -8,10 +8,11 @@ import pytest
 
 from coordination import exceptions
 from coordination.models import Event, Task
+from coordination.services.claims import claim_complete, task_claim
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
-from coordination.services.tasks import claim_complete, task_claim, task_submit
+from coordination.services.tasks import task_submit
 from coordination.states import TaskState
 from tests.concurrency.util import run_in_threads
 

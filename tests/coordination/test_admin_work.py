@@ -13,9 +13,10 @@ from django.urls import reverse
 from coordination import exceptions
 from coordination.admin import work as work_admin
 from coordination.models import Event, Mailbox, Message, Task
+from coordination.services.claims import claim_complete, task_claim
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
-from coordination.services.tasks import claim_complete, task_cancel, task_claim, task_submit
+from coordination.services.tasks import task_cancel, task_submit
 from coordination.states import MailboxMode, MessageState, TaskState
 
 MAILBOXES = reverse("admin:coordination_mailbox_changelist")

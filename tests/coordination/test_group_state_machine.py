@@ -29,11 +29,12 @@ from hypothesis.stateful import (
 
 from coordination import exceptions
 from coordination.models import Event, GroupMember, Run, Task, TaskGroup
+from coordination.services.claims import claim_complete, claim_fail, claim_release, task_claim
 from coordination.services.groups import group_close, group_create, group_submit, group_verdict
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_complete, run_create
-from coordination.services.tasks import claim_complete, claim_fail, claim_release, task_cancel, task_claim
+from coordination.services.tasks import task_cancel
 
 # The model ------------------------------------------------------------------------------
 # Plain strings on purpose: the model is written from DESIGN.md, not from the code's enums.

@@ -15,11 +15,12 @@ from django.utils import timezone
 from coordination.api.longpoll import db
 from coordination.models import Run, Task, TaskGroup, Timer
 from coordination.services.barriers import barrier_create
+from coordination.services.claims import task_claim
 from coordination.services.groups import group_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import message_send
 from coordination.services.runs import run_cancel, run_create
-from coordination.services.tasks import task_claim, task_submit
+from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
 from coordination.states import GroupState, RunState, TaskState, TimerState
 from tests.conftest import make_client

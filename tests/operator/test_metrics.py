@@ -6,10 +6,12 @@ import pytest
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordination.services.claims import claim_complete, task_claim
 from coordination.services.groups import group_close, group_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
-from coordination.services.tasks import claim_complete, task_claim, task_submit, tasks_settle_expired_leases
+from coordination.services.sweeps import tasks_settle_expired_leases
+from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create, timers_fire_due
 
 # The event fold reads committed events through the metrics view's own queries.

@@ -835,7 +835,7 @@ class Services:
         return task
 
     def claim(self, mailbox, run_id, *, max_claims: int = 1, **kwargs: Any):
-        from coordination.services.tasks import task_claim
+        from coordination.services.claims import task_claim
 
         with self.ledger.op("claim", run_id=run_id) as call:
             claims = task_claim(
@@ -845,7 +845,7 @@ class Services:
         return claims
 
     def renew(self, claim_id: str, **kwargs: Any):
-        from coordination.services.tasks import claim_renew
+        from coordination.services.claims import claim_renew
 
         with self.ledger.op("renew", claim_id=claim_id) as call:
             claim = claim_renew(project_id=self.project_id, claim_id=claim_id, **kwargs)
@@ -853,7 +853,7 @@ class Services:
         return claim
 
     def complete(self, claim_id: str, outcome: Any = None):
-        from coordination.services.tasks import claim_complete
+        from coordination.services.claims import claim_complete
 
         with self.ledger.op("complete", claim_id=claim_id, outcome=outcome) as call:
             task = claim_complete(project_id=self.project_id, claim_id=claim_id, outcome=outcome)
@@ -861,7 +861,7 @@ class Services:
         return task
 
     def fail(self, claim_id: str, error: Any, *, retry: bool = False, retry_delay_ms: int = 0):
-        from coordination.services.tasks import claim_fail
+        from coordination.services.claims import claim_fail
 
         with self.ledger.op("fail", claim_id=claim_id, error=error, retry=retry) as call:
             task = claim_fail(
@@ -871,7 +871,7 @@ class Services:
         return task
 
     def release(self, claim_id: str):
-        from coordination.services.tasks import claim_release
+        from coordination.services.claims import claim_release
 
         with self.ledger.op("release", claim_id=claim_id) as call:
             task = claim_release(project_id=self.project_id, claim_id=claim_id)

@@ -32,11 +32,11 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, Task, TaskGroup
+from coordination.services.claims import claim_id_for
 from coordination.services.groups import group_create
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
-from coordination.services.tasks import claim_id_for
 from tests.concurrency.util import run_in_threads
 from tests.processes import free_port
 from tests.reliability import fault_tasks

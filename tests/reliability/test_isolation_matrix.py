@@ -8,11 +8,12 @@ import pytest
 
 from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
 from coordination.services.barriers import barrier_create
+from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import message_receive, message_send
 from coordination.services.runs import run_create
-from coordination.services.tasks import task_claim, task_submit
+from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
 from tests.conftest import make_client
 

@@ -15,11 +15,11 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, GroupMember, Task, TaskGroup
+from coordination.services.claims import claim_id_for
 from coordination.services.events import events_record_many
 from coordination.services.groups import group_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
-from coordination.services.tasks import claim_id_for
 from runstate import Runstate
 from runstate._sync.work import Claim
 from tests.conftest import make_client

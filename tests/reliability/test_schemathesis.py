@@ -42,12 +42,13 @@ from schemathesis.specs.openapi.checks import (
 from coordination.models import Event
 from coordination.selectors import event_cursor
 from coordination.services.barriers import barrier_create
+from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import message_receive, message_send
 from coordination.services.runs import run_create
-from coordination.services.tasks import task_claim, task_submit
+from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
 from tests.operator.live import uvicorn_server
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from coordination.models import Task
-from coordination.services.tasks import tasks_settle_expired_leases
+from coordination.services.sweeps import tasks_settle_expired_leases
 from runstate import AsyncRunstate, Runstate
 from tests.sdk.conftest import ROOT
 

@@ -11,11 +11,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from coordination.models import Event, Task, Timer
+from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
-from coordination.services.tasks import task_claim, task_submit
+from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
 from tests.workers.live import ROOT, beat_command, child_env, processes, purge_broker, wait_until, worker_command
 

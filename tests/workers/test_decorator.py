@@ -14,9 +14,10 @@ from django.core.exceptions import ImproperlyConfigured
 
 from coordination import exceptions
 from coordination.models import Event, Mailbox, Task
+from coordination.services.claims import claim_fail, task_claim_by_id
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
-from coordination.services.tasks import claim_fail, task_claim_by_id, task_submit
+from coordination.services.tasks import task_submit
 from tests.conftest import make_client
 from workers import TaskCancelled, runstate_task
 from workers.decorators import registry

@@ -8,6 +8,7 @@ from coordination.api import serializers as s
 from coordination.api.longpoll import in_request, long_poll
 from coordination.api.presenters import present_claim, present_mailbox, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.services import claims as claim_services
 from coordination.services import tasks as task_services
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from coordination.states import TASK_TERMINAL, MailboxMode, Permission
@@ -131,7 +132,7 @@ class ClaimCollectionView(AsyncApiView):
         mailbox, run = await in_request(lookup)
 
         def claim():
-            return task_services.task_claim(
+            return claim_services.task_claim(
                 project_id=project_id,
                 mailbox=mailbox,
                 run_id=run.id,
@@ -150,7 +151,7 @@ class ClaimView(ApiView):
     def visible_claim_id(self, claim_id: str) -> str:
         """Return ``claim_id`` if the caller may see its task, else raise ``NotFound``."""
         if self.visibility.bound_path is not None:
-            task_id, _ = task_services.parse_claim_id(claim_id)
+            task_id, _ = claim_services.parse_claim_id(claim_id)
             try:
                 selectors.task_get(self.visibility, task_id)
             except exceptions.NotFound:
@@ -165,7 +166,7 @@ class ClaimRenewView(ClaimView):
     def post(self, request, claim_id):
         """Renew the lease; ``cancellationRequested`` tells the worker to stop."""
         data = self.body(s.RenewIn)
-        claim = task_services.claim_renew(
+        claim = claim_services.claim_renew(
             project_id=self.project_id, claim_id=self.visible_claim_id(claim_id), lease_ttl_ms=data.get("leaseTtlMs")
         )
         return Response(present_claim(claim))
@@ -178,7 +179,7 @@ class ClaimCompleteView(ClaimView):
     def post(self, request, claim_id):
         """Record the outcome (``CANCELLED`` instead if cancellation was requested)."""
         data = self.body(s.CompleteIn)
-        task = task_services.claim_complete(
+        task = claim_services.claim_complete(
             project_id=self.project_id, claim_id=self.visible_claim_id(claim_id), outcome=data["outcome"]
         )
         return Response(present_task(task))
@@ -191,7 +192,7 @@ class ClaimFailView(ClaimView):
     def post(self, request, claim_id):
         """Record a failure; with ``retry`` the task is queued again while attempts remain."""
         data = self.body(s.FailIn)
-        task = task_services.claim_fail(
+        task = claim_services.claim_fail(
             project_id=self.project_id,
             claim_id=self.visible_claim_id(claim_id),
             error=data["error"],
@@ -207,5 +208,5 @@ class ClaimReleaseView(ClaimView):
     @extend_schema(operation_id="claims_release", request=None, responses=with_errors({200: s.TaskOut}))
     def post(self, request, claim_id):
         """Put the task back in the queue (still allowed after the run was cancelled)."""
-        task = task_services.claim_release(project_id=self.project_id, claim_id=self.visible_claim_id(claim_id))
+        task = claim_services.claim_release(project_id=self.project_id, claim_id=self.visible_claim_id(claim_id))
         return Response(present_task(task))

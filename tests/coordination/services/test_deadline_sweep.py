@@ -6,12 +6,13 @@ import pytest
 
 from coordination.models import Barrier, Event, Message, Run, Task, TaskGroup, Timer
 from coordination.services.barriers import barrier_create
+from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import message_send
 from coordination.services.runs import run_create, runs_sweep_deadlines
-from coordination.services.tasks import task_claim, task_submit
+from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
 
 pytestmark = pytest.mark.django_db

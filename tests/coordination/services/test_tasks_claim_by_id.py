@@ -10,19 +10,13 @@ import pytest
 
 from coordination import exceptions
 from coordination.models import Event, Run, Task
+from coordination.services.claims import claim_complete, claim_fail, claim_renew, task_claim_by_id
 from coordination.services.groups import group_create, group_submit, group_verdict
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_complete, run_create
-from coordination.services.tasks import (
-    claim_complete,
-    claim_fail,
-    claim_renew,
-    task_cancel,
-    task_claim_by_id,
-    task_submit,
-    tasks_rewake_unclaimed,
-)
+from coordination.services.sweeps import tasks_rewake_unclaimed
+from coordination.services.tasks import task_cancel, task_submit
 
 pytestmark = pytest.mark.django_db
 

@@ -1,0 +1,44 @@
+"""The one seam between the services and Celery: wake-up messages, sent only after commit.
+
+Services call these; only this module imports ``workers.dispatch`` (lazily, so the domain
+does not load Celery until a wake-up is due). The database stays the truth: a lost message
+costs lateness, never correctness, since the periodic sweeps act on everything due.
+"""
+
+import uuid
+from datetime import datetime
+
+from django.db import transaction
+
+
+def work_submitted(task, mailbox) -> None:
+    """Validate a new task of a mailbox bound to a decorated Celery task; wake a worker after commit.
+
+    Every submit (API, SDK, ``task.submit``, group members) inserts through the task
+    services, which call this before the insert: an invalid input raises
+    ``ValidationFailed`` and nothing is written. Unbound mailboxes cost an in-memory lookup.
+    """
+    from workers.dispatch import dispatch_submitted_on_commit
+
+    dispatch_submitted_on_commit(task, mailbox)
+
+
+def work_requeued(task) -> None:
+    """Wake a Celery worker after commit for a task that went back to ``QUEUED`` in a bound mailbox."""
+    from workers.dispatch import dispatch_requeued_on_commit
+
+    dispatch_requeued_on_commit(task)
+
+
+def timer_due(timer_id: uuid.UUID, fire_at: datetime) -> None:
+    """Ask a worker, after commit, to fire the timer at its due time."""
+    from workers.dispatch import dispatch_timer
+
+    transaction.on_commit(lambda: dispatch_timer(timer_id, fire_at))
+
+
+def run_deadline_due(run_id: uuid.UUID, deadline: datetime) -> None:
+    """Ask a worker, after commit, to sweep the run's subtree at its deadline."""
+    from workers.dispatch import dispatch_run_deadline
+
+    transaction.on_commit(lambda: dispatch_run_deadline(run_id, deadline))
