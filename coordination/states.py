@@ -46,7 +46,7 @@ class MailboxMode(models.TextChoices):
 
 
 class TaskState(models.TextChoices):
-    """A task's lifecycle; written only by the task services (``tasks``, ``claims``, ``sweeps`` in ``coordination.services``)."""
+    """A task's lifecycle; written only by ``coordination.services`` ``tasks``, ``claims`` and ``sweeps``."""
 
     QUEUED = "QUEUED"  # claimable once ``available_at`` has passed
     RUNNING = "RUNNING"  # claimed; the claim holds a lease until ``lease_expires_at``

@@ -110,19 +110,27 @@ def send_work(bound, task_id: uuid.UUID | str, available_at: datetime | None = N
         logger.warning("could not dispatch %s[%s]; the re-wake sweep will send it", bound.name, task_id, exc_info=True)
 
 
-def dispatch_submitted_on_commit(task, mailbox) -> None:
-    """Validate a new task's input against its mailbox's decorated task, and send its message after commit.
+def accept_submitted(task, mailbox):
+    """Validate a new task's input against its mailbox's decorated task; return its wake-up, or None.
 
-    Called by ``task_insert`` before the insert: an invalid input raises ``ValidationFailed``
-    and nothing is written. A mailbox no decorated task is bound to costs a set lookup.
+    Called before the insert: an invalid input raises ``ValidationFailed`` and nothing is
+    written. The caller sends the returned wake-up once the task is committed. A mailbox no
+    decorated task is bound to costs a set lookup and returns None.
     """
     from workers.decorators import registry
 
     bound = registry.for_mailbox(mailbox.id, mailbox.name)
     if bound is None:
-        return
+        return None
     bound.validate_input(task.input)
-    transaction.on_commit(functools.partial(send_work, bound, task.id, task.available_at))
+    return functools.partial(send_work, bound, task.id, task.available_at)
+
+
+def dispatch_submitted_on_commit(task, mailbox) -> None:
+    """Validate a new task's input (``accept_submitted``) and send its message after commit."""
+    wake = accept_submitted(task, mailbox)
+    if wake is not None:
+        transaction.on_commit(wake)
 
 
 def dispatch_requeued_on_commit(task) -> None:

@@ -23,6 +23,17 @@ def work_submitted(task, mailbox) -> None:
     dispatch_submitted_on_commit(task, mailbox)
 
 
+def work_accept(task, mailbox):
+    """Validate a new task of a bound mailbox before it is written; return the wake-up to send once committed.
+
+    For single-statement inserts that run outside ``transaction.atomic()``, where
+    ``on_commit`` would fire before the statement: call the returned callable (if any) after it.
+    """
+    from workers.dispatch import accept_submitted
+
+    return accept_submitted(task, mailbox)
+
+
 def work_requeued(task) -> None:
     """Wake a Celery worker after commit for a task that went back to ``QUEUED`` in a bound mailbox."""
     from workers.dispatch import dispatch_requeued_on_commit

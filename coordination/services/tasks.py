@@ -7,7 +7,10 @@ everything else, and every case those statements decline, takes the careful ORM 
 locks rows in the house order.
 """
 
+import json
 import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
@@ -15,13 +18,14 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, Mailbox, Run, Task, TaskGroup
-from coordination.services import dispatch
+from coordination.services import dispatch, sql
 from coordination.services.cascade import SubtreeEnd
-from coordination.services.events import event_for, events_record_many
+from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
 from coordination.services.locking import chain_refusal, run_chain_lock_active
 from coordination.services.mailboxes import validate_max_attempts
 from coordination.services.retry import GroupMembershipChanged, retrying
+from coordination.services.sql import fast_paths_enabled
 from coordination.states import TASK_TERMINAL, TASK_UNFINISHED, MailboxMode, TaskState
 
 CASCADE_CHUNK = 2000
@@ -41,6 +45,20 @@ def run_refusal(task: Task, now: datetime) -> exceptions.Conflict | None:
 # Submit ----------------------------------------------------------------------------------
 
 
+MAX_SUBMIT_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of a batch submit (``tasks_submit_many``)."""
+
+    input: object
+    key: str | None = None
+    priority: int = 0
+    max_attempts: int | None = None
+    expires_at: datetime | None = None
+
+
 def task_submit(
     *,
     project_id: uuid.UUID,
@@ -56,14 +74,20 @@ def task_submit(
 
     The same ``key`` with the same input returns the existing task; with another input it
     is ``KEY_CONFLICT``. A task submitted to a group's gate in the group's mailbox is a
-    member of that group, so it is submitted through the group.
+    member of that group, so it is submitted through the group. On PostgreSQL one statement
+    locks the chain, inserts the task and its event; when it inserts nothing (an inactive
+    chain, a group's gate, a key already used) the careful path answers.
     """
-    if mailbox.mode != MailboxMode.WORK:
-        raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds messages, not tasks.")
-    validate_max_attempts(max_attempts)
+    spec = TaskSpec(input=input, key=key, priority=priority, max_attempts=max_attempts, expires_at=expires_at)
     now = timezone.now()
-    if expires_at is not None and expires_at <= now:
-        raise exceptions.ValidationFailed("Invalid task.", expiresAt="must be in the future")
+    _validate_submit(mailbox, [spec], now)
+    if fast_paths_enabled():
+        task = _new_task(project_id, mailbox, run_id, spec, now)
+        wake = dispatch.work_accept(task, mailbox)
+        if _insert_tasks(SUBMIT_SQL, mailbox, run_id, [task], now):
+            if wake is not None:
+                transaction.on_commit(wake)
+            return task, True
     gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).values_list("id", flat=True).first()
     if gated is not None:
         task, created, _ = group_submit(
@@ -86,6 +110,192 @@ def task_submit(
         max_attempts=max_attempts,
         expires_at=expires_at,
     )
+
+
+@transaction.atomic
+def tasks_submit_many(
+    *, project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, items: list[TaskSpec]
+) -> list[tuple[Task, bool]]:
+    """Submit up to ``MAX_SUBMIT_BATCH`` tasks in one transaction, all or nothing; answer each as ``task_submit``.
+
+    One invalid item refuses the whole batch (``VALIDATION_ERROR`` naming ``items[i]``), and
+    so does one key used before with another input (``KEY_CONFLICT``). On PostgreSQL the
+    chain is locked once and the tasks and their events are inserted by one statement
+    (``unnest`` arrays, keys through ``ON CONFLICT``).
+    """
+    if not 1 <= len(items) <= MAX_SUBMIT_BATCH:
+        raise exceptions.ValidationFailed("Invalid batch.", items=f"must hold between 1 and {MAX_SUBMIT_BATCH} tasks")
+    now = timezone.now()
+    _validate_submit(mailbox, items, now)
+    gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).exists()
+    if not fast_paths_enabled() or gated:
+        answers = []
+        for index, spec in enumerate(items):
+            with _item(index):
+                answers.append(
+                    task_submit(
+                        project_id=project_id,
+                        mailbox=mailbox,
+                        run_id=run_id,
+                        input=spec.input,
+                        key=spec.key,
+                        priority=spec.priority,
+                        max_attempts=spec.max_attempts,
+                        expires_at=spec.expires_at,
+                    )
+                )
+        return answers
+    run_chain_lock_active(run_id, project_id=project_id)
+    tasks = [_new_task(project_id, mailbox, run_id, spec, now) for spec in items]
+    wakes = []
+    for index, task in enumerate(tasks):
+        with _item(index):
+            wakes.append(dispatch.work_accept(task, mailbox))
+    inserted = _insert_tasks(SUBMIT_MANY_SQL, mailbox, run_id, tasks, now)
+    answers = []
+    for index, (task, wake) in enumerate(zip(tasks, wakes, strict=True)):
+        if task.id in inserted:
+            if wake is not None:
+                transaction.on_commit(wake)
+            answers.append((task, True))
+            continue
+        # Not inserted: its key was taken, by an earlier submit or an earlier item of this batch.
+        with _item(index):
+            existing = _task_with_key(mailbox, run_id, task.key, task.input) if task.key is not None else None
+        if existing is None:
+            raise AssertionError(f"task {index} of a batch was neither inserted nor found by its key")
+        answers.append((existing, False))
+    return answers
+
+
+def _validate_submit(mailbox: Mailbox, items: list[TaskSpec], now: datetime) -> None:
+    if mailbox.mode != MailboxMode.WORK:
+        raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds messages, not tasks.")
+    for index, spec in enumerate(items):
+        with _item(index if len(items) > 1 else None):
+            validate_max_attempts(spec.max_attempts)
+            if spec.expires_at is not None and spec.expires_at <= now:
+                raise exceptions.ValidationFailed("Invalid task.", expiresAt="must be in the future")
+
+
+@contextmanager
+def _item(index: int | None):
+    """Name the batch item a ``ValidationFailed`` or ``KeyConflict`` is about (``items[3].maxAttempts``)."""
+    try:
+        yield
+    except (exceptions.ValidationFailed, exceptions.KeyConflict) as error:
+        if index is None:
+            raise
+        details = {f"items[{index}].{name}": value for name, value in error.details.items()}
+        raise type(error)(f"Item {index}: {error.message}", index=index, **details) from None
+
+
+def _new_task(project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: TaskSpec, now: datetime) -> Task:
+    """Build (not save) a new queued task; ``run_path`` and ``run_deadline`` come from the insert."""
+    return Task(
+        project_id=project_id,
+        mailbox=mailbox,
+        run_id=run_id,
+        key=spec.key,
+        input=spec.input,
+        priority=spec.priority,
+        max_attempts=spec.max_attempts or mailbox.max_attempts,
+        expires_at=spec.expires_at,
+        created_at=now,
+        available_at=now,
+    )
+
+
+# The insert of the submit fast path (single) and of a batch whose chain is already locked.
+# The single form locks the run chain FOR KEY SHARE, root first, in the statement itself, and
+# inserts only when the chain is active and the run has no group gated on this mailbox (a
+# gated submit joins the group: careful path). Keys resolve through ON CONFLICT DO NOTHING:
+# a task not inserted is answered by the careful path (idempotent resubmit or KEY_CONFLICT).
+_SUBMIT_CHAIN = """
+chain AS (
+    SELECT r.stored_state, r.deadline
+    FROM coordination_run r
+    WHERE r.id = ANY (string_to_array(rtrim(
+        (SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s), '/'), '/')::uuid[])
+    ORDER BY r.depth
+    FOR KEY SHARE OF r
+), gate AS (
+    SELECT count(*) > 0
+        AND bool_and(stored_state = 'ACTIVE' AND (deadline IS NULL OR deadline > %(now)s))
+        AND NOT EXISTS (
+            SELECT 1 FROM coordination_taskgroup g WHERE g.scope_id = %(run_id)s AND g.mailbox_id = %(mailbox_id)s
+        ) AS open
+    FROM chain
+),"""
+_SUBMIT_LOCKED = """
+gate AS (SELECT TRUE AS open),"""
+
+
+def _submit_sql(prelude: str) -> str:
+    return f"""
+WITH {prelude} run AS (
+    SELECT r.path, (
+        SELECT min(a.deadline) FROM coordination_run a
+        WHERE a.id = ANY (string_to_array(rtrim(r.path, '/'), '/')::uuid[])
+    ) AS deadline
+    FROM coordination_run r WHERE r.id = %(run_id)s AND r.project_id = %(project_id)s
+), items AS (
+    SELECT * FROM unnest(
+        %(ids)s::uuid[], %(inputs)s::text[], %(keys)s::text[], %(priorities)s::int[],
+        %(max_attempts)s::int[], %(expires_at)s::timestamptz[]
+    ) WITH ORDINALITY AS i(id, input, key, priority, max_attempts, expires_at, n)
+), done AS (
+    INSERT INTO coordination_task (
+        id, project_id, mailbox_id, run_id, run_path, run_deadline, key, input, state, attempts,
+        max_attempts, priority, created_at, available_at, expires_at, worker_id
+    )
+    SELECT i.id, %(project_id)s, %(mailbox_id)s, %(run_id)s, run.path, run.deadline, i.key, i.input::jsonb,
+        'QUEUED', 0, i.max_attempts, i.priority, %(now)s, %(now)s, i.expires_at, ''
+    FROM items i, run, gate
+    WHERE gate.open
+    ORDER BY i.n
+    ON CONFLICT (mailbox_id, run_id, key) WHERE key IS NOT NULL DO NOTHING
+    RETURNING id, project_id, run_id, run_path, run_deadline, key
+), events AS (
+    {
+        event_insert_sql(
+            "done",
+            type_sql="'task.submitted'",
+            data_sql="jsonb_build_object('mailbox', %(mailbox_name)s::text, 'key', key, 'groupId', NULL)",
+        )
+    }
+)
+SELECT id, run_path, run_deadline FROM done
+"""
+
+
+SUBMIT_SQL = _submit_sql(_SUBMIT_CHAIN)
+SUBMIT_MANY_SQL = _submit_sql(_SUBMIT_LOCKED)
+
+
+def _insert_tasks(statement: str, mailbox: Mailbox, run_id: uuid.UUID, tasks: list[Task], now: datetime) -> set:
+    """Insert ``tasks`` with their events in one statement; fill in their run fields; return the inserted ids."""
+    rows = sql.fetch(
+        statement,
+        {
+            "project_id": tasks[0].project_id,
+            "mailbox_id": mailbox.id,
+            "mailbox_name": mailbox.name,
+            "run_id": run_id,
+            "now": now,
+            "ids": [task.id for task in tasks],
+            "inputs": [json.dumps(task.input) for task in tasks],
+            "keys": [task.key for task in tasks],
+            "priorities": [task.priority for task in tasks],
+            "max_attempts": [task.max_attempts for task in tasks],
+            "expires_at": [task.expires_at for task in tasks],
+        },
+    )
+    by_id = {task.id: task for task in tasks}
+    for task_id, run_path, run_deadline in rows:
+        by_id[task_id].run_path = run_path
+        by_id[task_id].run_deadline = run_deadline
+    return {row[0] for row in rows}
 
 
 @transaction.atomic
