@@ -48,7 +48,7 @@ def pgqueuer_version() -> str | None:
 
 
 def require_pgqueuer() -> str:
-    """Return pgqueuer's version, or stop the benchmark with how to install it (exit status 2)."""
+    """Return pgqueuer's version, or stop the benchmark (exit status 1) saying how to install it."""
     found = pgqueuer_version()
     if found is None:
         raise SystemExit(
@@ -68,6 +68,9 @@ class DrainResult:
     batch: int
     seconds: float
     verification: dict[str, Any]
+    first_job_s: float = 0.0  # from the start of the dequeuers to the first job run (timed)
+    shutdown_s: float = 0.0  # from the last job logged until every dequeuer returned (not timed)
+    cpu: Any = None  # what the drain cost, when the caller measured it (bench.throughput.CpuMeter)
 
     @property
     def rate(self) -> float:
