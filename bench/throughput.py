@@ -1,17 +1,25 @@
-"""Task throughput: submit -> claim -> complete on PostgreSQL, against a pgbench -N baseline.
+"""Task throughput: submit -> claim -> complete on PostgreSQL, against pgbench -N and pgqueuer.
 
-    .venv/bin/python -m bench.throughput [--tasks N] [--workers 4,8] [--batch B]
-                                         [--http | --no-http] [--http-tasks N] [--record]
+    .venv/bin/python -m bench.throughput [--tasks N] [--workers 4[,8]] [--modes unbatched,batched]
+                                         [--no-http] [--no-pgqueuer] [--json PATH] [--record]
 
-For each worker count W it measures, in this order and never overlapping:
+For each worker count W (4 unless ``--workers`` says otherwise) it measures, in this order
+and never overlapping:
 
-* service layer: N tasks submitted by W threads (``task_submit``), then W worker threads
-  looping ``task_claim(max_claims=B)`` + ``claim_complete`` per claim until the run is empty;
-* HTTP (``--http``, on by default): the same through a uvicorn subprocess on 127.0.0.1,
-  driven by W threads with keep-alive ``httpx.Client``s;
+* service layer, per mode: N tasks submitted by W threads, then W worker threads claiming
+  and completing until the run is empty. *unbatched*: ``task_submit`` per task,
+  ``task_claim(max_claims=B)`` (``--batch``, 10), ``claim_complete`` per claim; *batched*:
+  ``tasks_submit_many`` of 100, ``task_claim`` of 50, ``claims_complete_many`` of 50
+  (``--batched-sizes``);
+* HTTP (``--http``, on by default): the unbatched calls through a uvicorn subprocess on
+  127.0.0.1, driven by W threads with keep-alive ``httpx.Client``s;
 * baseline: ``pgbench -N -c W -j W -T 15`` against the same PostgreSQL server.
 
-Before any timing it counts the SQL statements of one submit, one claim and one complete
+Then, once, the same-run peer (``--pgqueuer``, on by default; bench/pgqueuer_peer.py):
+pgqueuer draining N no-op jobs enqueued beforehand with 5 dequeuers x batch 10, in a
+database of its own. It needs bench/requirements.txt; without it the benchmark stops.
+
+Before any timing it counts the SQL statements of one call of each kind in each mode
 (service layer, ``CaptureQueriesContext``) and of one request of each kind (in-process
 Django test client, every connection counted). Every scenario is verified afterwards with
 one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded`` events.
@@ -19,7 +27,8 @@ one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded
 The database (``DATABASE_URL``, default ``postgres://postgres@127.0.0.1:5432/runstate_bench``)
 is created when missing and migrated; when its name contains ``bench`` the coordination
 tables are truncated before each scenario (otherwise each scenario only uses its own fresh
-project and run). ``--record`` appends the figures to docs/benchmarks.md.
+project and run). ``--record`` appends the figures to docs/benchmarks.md; ``--json PATH``
+writes the W = 4 figures as JSON.
 
 Not a test: pytest never collects this module (see bench/__init__.py).
 """
@@ -522,16 +531,14 @@ class ServiceMode:
     complete_batch: int
 
     @property
-    def submit_op(self) -> str:
-        return "submit" if self.submit_batch == 1 else f"submit many ({self.submit_batch})"
-
-    @property
-    def claim_op(self) -> str:
-        return f"claim (max {self.claim_max})"
-
-    @property
-    def complete_op(self) -> str:
-        return "complete" if self.complete_batch == 1 else f"complete many ({self.complete_batch})"
+    def calls(self) -> list[tuple[str, int]]:
+        """The submit, claim and complete call as named in the statements table, with the tasks per call."""
+        many = lambda name, size: name if size == 1 else f"{name} many ({size})"  # noqa: E731
+        return [
+            (many("submit", self.submit_batch), self.submit_batch),
+            (f"claim (max {self.claim_max})", self.claim_max),
+            (many("complete", self.complete_batch), self.complete_batch),
+        ]
 
     @property
     def sizes(self) -> str:
@@ -624,11 +631,12 @@ def count_service_statements(modes: list[ServiceMode]) -> dict[str, list[str]]:
 
     captured: dict[str, list[str]] = {}
     for index, mode in enumerate(modes):
+        (submit_op, _), (claim_op, _), (complete_op, _) = mode.calls
         calls = ServiceCalls(f"statements-{mode.name}", mode)
         tasks = max(mode.submit_batch, mode.claim_max, mode.complete_batch) + 1
         with CaptureQueriesContext(connection) as q:
             calls.submit(list(range(mode.submit_batch)))
-        captured[mode.submit_op] = [x["sql"] for x in q.captured_queries]
+        captured[submit_op] = [x["sql"] for x in q.captured_queries]
         calls.submit(list(range(mode.submit_batch, tasks + mode.submit_batch)))
         if index == 0:
             with CaptureQueriesContext(connection) as q:
@@ -637,12 +645,12 @@ def count_service_statements(modes: list[ServiceMode]) -> dict[str, list[str]]:
             assert len(first) == 1, len(first)
         with CaptureQueriesContext(connection) as q:
             claims = calls.claim()
-        captured[mode.claim_op] = [x["sql"] for x in q.captured_queries]
+        captured[claim_op] = [x["sql"] for x in q.captured_queries]
         assert len(claims) == mode.claim_max, (len(claims), mode.claim_max)
         claims += calls.claim()
         with CaptureQueriesContext(connection) as q:
             calls.complete(claims[: mode.complete_batch])
-        captured[mode.complete_op] = [x["sql"] for x in q.captured_queries]
+        captured[complete_op] = [x["sql"] for x in q.captured_queries]
     return captured
 
 
@@ -684,12 +692,12 @@ def _time_mode_calls(mode: ServiceMode, calls: int) -> dict[str, tuple[float, fl
     sizes = (mode.submit_batch, mode.claim_max, mode.complete_batch)
     tasks = max(calls, 10 * max(sizes))
     tasks += -tasks % math.lcm(*sizes)
-    submit, complete = mode.submit_batch, mode.complete_batch
-    timed(mode.submit_op, tasks // submit, lambda i: service.submit(list(range(i * submit, (i + 1) * submit))))
-    claimed = timed(mode.claim_op, tasks // mode.claim_max, lambda i: service.claim())
+    (submit_op, submit), (claim_op, _), (complete_op, complete) = mode.calls
+    timed(submit_op, tasks // submit, lambda i: service.submit(list(range(i * submit, (i + 1) * submit))))
+    claimed = timed(claim_op, tasks // mode.claim_max, lambda i: service.claim())
     claims = [claim for batch in claimed for claim in batch]
     assert len(claims) == tasks, (len(claims), tasks)
-    timed(mode.complete_op, tasks // complete, lambda i: service.complete(claims[i * complete : (i + 1) * complete]))
+    timed(complete_op, tasks // complete, lambda i: service.complete(claims[i * complete : (i + 1) * complete]))
     return costs
 
 
@@ -1260,11 +1268,7 @@ def statements_table(
         cells = [f"{c:.2f}" for c in cost] if cost else ["", "", ""]
         rows.append([op, str(len(sqls)), *cells, summarize_sqls(sqls)])
     for mode in modes:
-        ops = [
-            (mode.submit_op, mode.submit_batch),
-            (mode.claim_op, mode.claim_max),
-            (mode.complete_op, mode.complete_batch),
-        ]
+        ops = mode.calls
         per_task = sum(len(service[op]) / size for op, size in ops)
         transactions = sum(sum(1 for sql in service[op] if sql.strip().upper() == "BEGIN") / size for op, size in ops)
         total = ["", "", ""]
