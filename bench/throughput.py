@@ -1,17 +1,25 @@
-"""Task throughput: submit -> claim -> complete on PostgreSQL, against a pgbench -N baseline.
+"""Task throughput: submit -> claim -> complete on PostgreSQL, against pgbench -N and pgqueuer.
 
-    .venv/bin/python -m bench.throughput [--tasks N] [--workers 4,8] [--batch B]
-                                         [--http | --no-http] [--http-tasks N] [--record]
+    .venv/bin/python -m bench.throughput [--tasks N] [--workers 4[,8]] [--modes unbatched,batched]
+                                         [--no-http] [--no-pgqueuer] [--json PATH] [--record]
 
-For each worker count W it measures, in this order and never overlapping:
+For each worker count W (4 unless ``--workers`` says otherwise) it measures, in this order
+and never overlapping:
 
-* service layer: N tasks submitted by W threads (``task_submit``), then W worker threads
-  looping ``task_claim(max_claims=B)`` + ``claim_complete`` per claim until the run is empty;
-* HTTP (``--http``, on by default): the same through a uvicorn subprocess on 127.0.0.1,
-  driven by W threads with keep-alive ``httpx.Client``s;
+* service layer, per mode: N tasks submitted by W threads, then W worker threads claiming
+  and completing until the run is empty. *unbatched*: ``task_submit`` per task,
+  ``task_claim(max_claims=B)`` (``--batch``, 10), ``claim_complete`` per claim; *batched*:
+  ``tasks_submit_many`` of 100, ``task_claim`` of 50, ``claims_complete_many`` of 50
+  (``--batched-sizes``);
+* HTTP (``--http``, on by default): the unbatched calls through a uvicorn subprocess on
+  127.0.0.1, driven by W threads with keep-alive ``httpx.Client``s;
 * baseline: ``pgbench -N -c W -j W -T 15`` against the same PostgreSQL server.
 
-Before any timing it counts the SQL statements of one submit, one claim and one complete
+Then, once, the same-run peer (``--pgqueuer``, on by default; bench/pgqueuer_peer.py):
+pgqueuer draining N no-op jobs enqueued beforehand with 5 dequeuers x batch 10, in a
+database of its own. It needs bench/requirements.txt; without it the benchmark stops.
+
+Before any timing it counts the SQL statements of one call of each kind in each mode
 (service layer, ``CaptureQueriesContext``) and of one request of each kind (in-process
 Django test client, every connection counted). Every scenario is verified afterwards with
 one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded`` events.
@@ -19,7 +27,8 @@ one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded
 The database (``DATABASE_URL``, default ``postgres://postgres@127.0.0.1:5432/runstate_bench``)
 is created when missing and migrated; when its name contains ``bench`` the coordination
 tables are truncated before each scenario (otherwise each scenario only uses its own fresh
-project and run). ``--record`` appends the figures to docs/benchmarks.md.
+project and run). ``--record`` appends the figures to docs/benchmarks.md; ``--json PATH``
+writes the W = 4 figures as JSON.
 
 Not a test: pytest never collects this module (see bench/__init__.py).
 """
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import glob
+import json
 import math
 import os
 import platform
@@ -43,6 +53,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -479,6 +490,124 @@ def verification_text(v: dict[str, Any], expected: int) -> str:
 # Service layer ---------------------------------------------------------------------------
 
 
+SERVICE_API = (
+    "coordination.services.tasks: task_submit, tasks_submit_many, TaskSpec; "
+    "coordination.services.claims: task_claim, claim_complete, claims_complete_many"
+)
+
+
+def service_api() -> SimpleNamespace:
+    """Import the service functions the benchmark drives; stop with a clear message when they are missing."""
+    try:
+        from coordination.services.claims import claim_complete, claims_complete_many, task_claim
+        from coordination.services.tasks import TaskSpec, task_submit, tasks_submit_many
+    except ImportError as exc:
+        raise SystemExit(
+            f"error: bench.throughput drives the service layer through {SERVICE_API}, "
+            f"and this checkout lacks part of it ({exc}).\n"
+            "       Run it on a revision that has the batched services (issue 14)."
+        ) from exc
+    return SimpleNamespace(
+        task_submit=task_submit,
+        tasks_submit_many=tasks_submit_many,
+        TaskSpec=TaskSpec,
+        task_claim=task_claim,
+        claim_complete=claim_complete,
+        claims_complete_many=claims_complete_many,
+    )
+
+
+@dataclass(frozen=True)
+class ServiceMode:
+    """How the service layer is driven: tasks per submit call, claims per claim call, per complete call.
+
+    A size of 1 uses the one-at-a-time function (``task_submit``, ``claim_complete``); more
+    uses the batched one (``tasks_submit_many``, ``claims_complete_many``).
+    """
+
+    name: str
+    submit_batch: int
+    claim_max: int
+    complete_batch: int
+
+    @property
+    def calls(self) -> list[tuple[str, int]]:
+        """The submit, claim and complete call as named in the statements table, with the tasks per call."""
+        many = lambda name, size: name if size == 1 else f"{name} many ({size})"  # noqa: E731
+        return [
+            (many("submit", self.submit_batch), self.submit_batch),
+            (f"claim (max {self.claim_max})", self.claim_max),
+            (many("complete", self.complete_batch), self.complete_batch),
+        ]
+
+    @property
+    def sizes(self) -> str:
+        return f"submit {self.submit_batch}, claim max {self.claim_max}, complete {self.complete_batch} per call"
+
+
+class ServiceCalls:
+    """One project, WORK mailbox and run, driven through the service layer the way ``mode`` says."""
+
+    def __init__(self, label: str, mode: ServiceMode) -> None:
+        self.api = service_api()
+        self.mode = mode
+        self.project, self.mailbox, self.run = service_fixture(label)
+
+    def submit(self, numbers: list[int]) -> None:
+        """Submit one task per number (input ``{"i": n}``), in calls of ``mode.submit_batch``."""
+        where = {"project_id": self.project.id, "mailbox": self.mailbox, "run_id": self.run.id}
+        size = self.mode.submit_batch
+        for start in range(0, len(numbers), size):
+            chunk = numbers[start : start + size]
+            if size == 1:
+                self.api.task_submit(**where, input={"i": chunk[0]})
+            else:
+                self.api.tasks_submit_many(**where, items=[self.api.TaskSpec(input={"i": i}) for i in chunk])
+
+    def claim(self, worker_id: str = "w", max_claims: int | None = None) -> list[Any]:
+        """One claim call of up to ``mode.claim_max`` tasks (or ``max_claims``)."""
+        return self.api.task_claim(
+            project_id=self.project.id,
+            mailbox=self.mailbox,
+            run_id=self.run.id,
+            worker_id=worker_id,
+            max_claims=max_claims or self.mode.claim_max,
+        )
+
+    def complete(self, claims: list[Any], latencies: list[float] | None = None) -> None:
+        """Complete ``claims`` in calls of ``mode.complete_batch``; append each call's seconds to ``latencies``."""
+        size = self.mode.complete_batch
+        for start in range(0, len(claims), size):
+            chunk = claims[start : start + size]
+            started = time.perf_counter()
+            if size == 1:
+                self.api.claim_complete(
+                    project_id=self.project.id, claim_id=chunk[0].claim_id, outcome={"i": chunk[0].task.input["i"]}
+                )
+            else:
+                answers = self.api.claims_complete_many(
+                    project_id=self.project.id, items=[(c.claim_id, {"i": c.task.input["i"]}) for c in chunk]
+                )
+                refused = [a for a in answers if isinstance(a, Exception)]
+                if refused:
+                    raise RuntimeError(f"claims_complete_many refused {len(refused)} of {len(chunk)}: {refused[0]!r}")
+            if latencies is not None:
+                latencies.append(time.perf_counter() - started)
+
+
+ALL_MODES = ("unbatched", "batched")
+
+
+def service_modes(args: argparse.Namespace, names: tuple[str, ...] | list[str] | None = None) -> list[ServiceMode]:
+    """Return the modes ``--modes`` (or ``names``) asks for: unbatched (one call per task) and batched."""
+    submit, claim, complete = args.batched_sizes
+    known = {
+        "unbatched": ServiceMode("unbatched", 1, args.batch, 1),
+        "batched": ServiceMode("batched", submit, claim, complete),
+    }
+    return [known[name] for name in (names or args.mode_names)]
+
+
 def service_fixture(label: str):
     """Create a fresh project, WORK mailbox and run; return them."""
     from coordination.services.keys import project_ensure
@@ -491,50 +620,60 @@ def service_fixture(label: str):
     return project, mailbox, run
 
 
-def count_service_statements(batch: int) -> dict[str, list[str]]:
-    """Capture the SQL of one submit, one claim of 1, one claim of ``batch`` and one complete."""
+def count_service_statements(modes: list[ServiceMode]) -> dict[str, list[str]]:
+    """Capture the SQL of one submit, one claim of 1 and one complete call of each mode.
+
+    Unbatched, that is one ``task_submit``, ``task_claim(max_claims=1)``, one of ``max_claims=B``
+    and one ``claim_complete``; batched, one call of each batched size.
+    """
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from coordination.services.claims import claim_complete, task_claim
-    from coordination.services.tasks import task_submit
-
-    project, mailbox, run = service_fixture("statements")
-    common = {"project_id": project.id, "mailbox": mailbox}
     captured: dict[str, list[str]] = {}
-    with CaptureQueriesContext(connection) as q:
-        task_submit(**common, run_id=run.id, input={"i": 0})
-    captured["submit"] = [x["sql"] for x in q.captured_queries]
-    for i in range(batch):
-        task_submit(**common, run_id=run.id, input={"i": i + 1})
-    with CaptureQueriesContext(connection) as q:
-        first = task_claim(**common, run_id=run.id, worker_id="w", max_claims=1)
-    captured["claim (max 1)"] = [x["sql"] for x in q.captured_queries]
-    with CaptureQueriesContext(connection) as q:
-        claims = task_claim(**common, run_id=run.id, worker_id="w", max_claims=batch)
-    captured[f"claim (max {batch})"] = [x["sql"] for x in q.captured_queries]
-    assert len(first) == 1 and len(claims) == batch, (len(first), len(claims))
-    with CaptureQueriesContext(connection) as q:
-        claim_complete(project_id=project.id, claim_id=first[0].claim_id, outcome={"ok": True})
-    captured["complete"] = [x["sql"] for x in q.captured_queries]
+    for index, mode in enumerate(modes):
+        (submit_op, _), (claim_op, _), (complete_op, _) = mode.calls
+        calls = ServiceCalls(f"statements-{mode.name}", mode)
+        tasks = max(mode.submit_batch, mode.claim_max, mode.complete_batch) + 1
+        with CaptureQueriesContext(connection) as q:
+            calls.submit(list(range(mode.submit_batch)))
+        captured[submit_op] = [x["sql"] for x in q.captured_queries]
+        calls.submit(list(range(mode.submit_batch, tasks + mode.submit_batch)))
+        if index == 0:
+            with CaptureQueriesContext(connection) as q:
+                first = calls.claim(max_claims=1)
+            captured["claim (max 1)"] = [x["sql"] for x in q.captured_queries]
+            assert len(first) == 1, len(first)
+        with CaptureQueriesContext(connection) as q:
+            claims = calls.claim()
+        captured[claim_op] = [x["sql"] for x in q.captured_queries]
+        assert len(claims) == mode.claim_max, (len(claims), mode.claim_max)
+        claims += calls.claim()
+        with CaptureQueriesContext(connection) as q:
+            calls.complete(claims[: mode.complete_batch])
+        captured[complete_op] = [x["sql"] for x in q.captured_queries]
     return captured
 
 
-def time_service_calls(batch: int, calls: int = 200) -> tuple[dict[str, tuple[float, float, float]], str]:
+def time_service_calls(modes: list[ServiceMode], calls: int = 200) -> tuple[dict[str, tuple[float, float, float]], str]:
     """Cost of each call on one thread, nothing else of ours running: (Python CPU, PostgreSQL CPU, wall) ms.
 
     Python CPU is this thread's CPU time; PostgreSQL CPU is its backend's, read from /proc.
-    Also returns how busy the machine was before the measurement.
+    Each mode submits, claims and completes at least ``calls`` tasks (10 calls of its largest
+    batch at least). Also returns how busy the machine was before the measurement.
     """
-    from django.db import connection
-
-    from coordination.services.claims import claim_complete, task_claim
-    from coordination.services.tasks import task_submit
-
     note = wait_for_quiet(**QUIET)
     print(f"per-call costs: {note}", flush=True)
-    project, mailbox, run = service_fixture("per-call")
-    common = {"project_id": project.id, "mailbox": mailbox, "run_id": run.id}
+    costs: dict[str, tuple[float, float, float]] = {}
+    for mode in modes:
+        costs.update(_time_mode_calls(mode, calls))
+    return costs, note
+
+
+def _time_mode_calls(mode: ServiceMode, calls: int) -> dict[str, tuple[float, float, float]]:
+    """Time every call of one mode on this thread; see ``time_service_calls``."""
+    from django.db import connection
+
+    service = ServiceCalls(f"per-call-{mode.name}", mode)
     connection.ensure_connection()
     backend = connection.connection.info.backend_pid if connection.vendor == "postgresql" else None
     costs: dict[str, tuple[float, float, float]] = {}
@@ -550,37 +689,28 @@ def time_service_calls(batch: int, calls: int = 200) -> tuple[dict[str, tuple[fl
         costs[name] = (1000 * cpu / count, 1000 * pg / count, 1000 * wall / count)
         return results
 
-    calls = max(batch, calls - calls % batch)
-    timed("submit", calls, lambda i: task_submit(**common, input={"i": i}))
-    claimed = timed(
-        f"claim (max {batch})",
-        calls // batch,
-        lambda i: task_claim(**common, worker_id="w", max_claims=batch),
-    )
-    claim_ids = [claim.claim_id for claims in claimed for claim in claims]
-    assert len(claim_ids) == calls, (len(claim_ids), calls)
-    timed(
-        "complete",
-        calls,
-        lambda i: claim_complete(project_id=project.id, claim_id=claim_ids[i], outcome={"i": i}),
-    )
-    return costs, note
+    sizes = (mode.submit_batch, mode.claim_max, mode.complete_batch)
+    tasks = max(calls, 10 * max(sizes))
+    tasks += -tasks % math.lcm(*sizes)
+    (submit_op, submit), (claim_op, _), (complete_op, complete) = mode.calls
+    timed(submit_op, tasks // submit, lambda i: service.submit(list(range(i * submit, (i + 1) * submit))))
+    claimed = timed(claim_op, tasks // mode.claim_max, lambda i: service.claim())
+    claims = [claim for batch in claimed for claim in batch]
+    assert len(claims) == tasks, (len(claims), tasks)
+    timed(complete_op, tasks // complete, lambda i: service.complete(claims[i * complete : (i + 1) * complete]))
+    return costs
 
 
-def run_service_scenario(tasks: int, workers: int, batch: int) -> ScenarioResult:
+def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> ScenarioResult:
     """Submit ``tasks`` with ``workers`` threads, then claim and complete them all with ``workers`` threads."""
     from django.db import connection
 
-    from coordination.services.claims import claim_complete, task_claim
-    from coordination.services.tasks import task_submit
-
     truncate_coordination_tables()
-    project, mailbox, run = service_fixture(f"svc-w{workers}")
+    service = ServiceCalls(f"svc-{mode.name}-w{workers}", mode)
     connection.close()
 
     def submitter(index: int, _context) -> int:
-        for i in range(index, tasks, workers):
-            task_submit(project_id=project.id, mailbox=mailbox, run_id=run.id, input={"i": i})
+        service.submit(list(range(index, tasks, workers)))
         return 0
 
     def claimer(index: int, _context) -> tuple[list[float], list[float], int, int]:
@@ -588,17 +718,12 @@ def run_service_scenario(tasks: int, workers: int, batch: int) -> ScenarioResult
         worker_id = f"bench-{index}"
         while True:
             started = time.perf_counter()
-            claims = task_claim(
-                project_id=project.id, mailbox=mailbox, run_id=run.id, worker_id=worker_id, max_claims=batch
-            )
+            claims = service.claim(worker_id)
             claim_lat.append(time.perf_counter() - started)
             if not claims:
                 empty += 1
                 break
-            for claim in claims:
-                started = time.perf_counter()
-                claim_complete(project_id=project.id, claim_id=claim.claim_id, outcome={"i": claim.task.input["i"]})
-                complete_lat.append(time.perf_counter() - started)
+            service.complete(claims, complete_lat)
             done += len(claims)
         return claim_lat[:-1], complete_lat, done, empty
 
@@ -608,13 +733,13 @@ def run_service_scenario(tasks: int, workers: int, batch: int) -> ScenarioResult
 
     submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
     claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
-    verification = verify_run(run.id, tasks)
+    verification = verify_run(service.run.id, tasks)
     connection.close()
     return ScenarioResult(
-        mode="service",
+        mode=f"service {mode.name}",
         workers=workers,
         tasks=tasks,
-        batch=batch,
+        batch=mode.claim_max,
         submit_s=submit_s,
         claim_complete_s=claim_s,
         claim_latencies=[x for r in results for x in r[0]],
@@ -1024,6 +1149,52 @@ def notify_probe(pgbench: str, url: str, clients: int, seconds: int) -> dict[str
     return tps
 
 
+# pgqueuer peer ---------------------------------------------------------------------------
+
+
+def run_pgqueuer_peer(url: str, jobs: int, dequeuers: int, batch: int) -> Any:
+    """Drain ``jobs`` pre-enqueued no-op jobs with pgqueuer (bench/pgqueuer_peer.py); return its DrainResult.
+
+    Enqueueing and the dequeuers' connections come before the clock; the CPU of this
+    process and of the dequeuers' PostgreSQL backends is measured over the drain.
+    """
+    from bench.pgqueuer_peer import DrainResult, PgqueuerPeer
+
+    with PgqueuerPeer(db_params(url), dequeuers=dequeuers, batch=batch) as peer:
+        peer.enqueue(jobs)
+        pids = peer.connect()
+        note = wait_for_quiet(**QUIET)
+        before = {pid: _process_tree_seconds(pid) for pid in pids}
+        with CpuMeter() as cpu:
+            seconds = peer.drain(jobs)
+        cpu.backend_s = sum(_process_tree_seconds(pid) - before[pid] for pid in pids)
+        cpu.note = note
+        verification = peer.verify(jobs)
+    return DrainResult(
+        jobs=jobs,
+        dequeuers=dequeuers,
+        batch=batch,
+        seconds=seconds,
+        verification=verification,
+        first_job_s=peer.first_job_s,
+        shutdown_s=peer.shutdown_s,
+        cpu=cpu,
+    )
+
+
+def peer_lines(peer: Any, version: str) -> list[str]:
+    """Return the pgqueuer peer's detail lines (rate, CPU, verification)."""
+    from bench.pgqueuer_peer import verification_text as peer_verification_text
+
+    return [
+        f"pgqueuer {version}, {peer.dequeuers} dequeuers x batch {peer.batch}: drain {peer.rate:.0f} jobs/s "
+        f"({peer.jobs} jobs in {peer.seconds:.2f} s, first job after {peer.first_job_s:.2f} s; "
+        f"dequeuers' shutdown afterwards {peer.shutdown_s:.1f} s, not timed); {peer.cpu.note}; "
+        f"{peer.cpu.per_task_ms(peer.jobs).replace('task', 'job')} (shutdown included)",
+        peer_verification_text(peer.verification, peer.jobs),
+    ]
+
+
 # Report ----------------------------------------------------------------------------------
 
 
@@ -1034,8 +1205,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), "| " + " | ".join("-" * w for w in widths) + " |", *(line(r) for r in rows)])
 
 
-def results_table(results: list[ScenarioResult], baselines: dict[int, float]) -> str:
-    """Return the main table: one row per (mode, W)."""
+def results_table(results: list[ScenarioResult], baselines: dict[int, float], peer: Any = None) -> str:
+    """Return the main table: one row per (mode, W), then the pgqueuer peer's drain when it ran."""
     header = [
         "mode",
         "W",
@@ -1049,6 +1220,7 @@ def results_table(results: list[ScenarioResult], baselines: dict[int, float]) ->
         "pgbench -N TPS",
         "pipeline/pgbench",
         "claim+complete/pgbench",
+        "claim+complete/pgqueuer",
         "verified",
     ]
     rows = []
@@ -1068,8 +1240,15 @@ def results_table(results: list[ScenarioResult], baselines: dict[int, float]) ->
                 f"{tps:.0f}" if tps else "-",
                 f"{r.pipeline_rate / tps:.2f}" if tps else "-",
                 f"{r.claim_complete_rate / tps:.2f}" if tps else "-",
+                f"{r.claim_complete_rate / peer.rate:.2f}" if peer else "-",
                 "yes" if r.verification["ok"] else "NO",
             ]
+        )
+    if peer:
+        label = f"pgqueuer drain ({peer.dequeuers} x batch {peer.batch})"
+        rows.append(
+            [label, str(peer.dequeuers), str(peer.jobs), "-", f"{peer.rate:.0f}", *["-"] * 7, "1.00"]
+            + ["yes" if peer.verification["ok"] else "NO"]
         )
     return markdown_table(header, rows)
 
@@ -1077,30 +1256,33 @@ def results_table(results: list[ScenarioResult], baselines: dict[int, float]) ->
 def statements_table(
     service: dict[str, list[str]],
     http: dict[str, tuple[int, int, int]] | None,
-    batch: int,
+    modes: list[ServiceMode],
     costs: dict[str, tuple[float, float, float]] | None = None,
     costs_note: str = "",
 ) -> str:
     """Return the statement-count tables (service layer with per-call costs, and per HTTP request)."""
     costs = costs or {}
-    claim_op = f"claim (max {batch})"
     rows = []
     for op, sqls in service.items():
         cost = costs.get(op)
         cells = [f"{c:.2f}" for c in cost] if cost else ["", "", ""]
-        rows.append([op, str(len(sqls)), *cells, ", ".join(summarize_sql(s) for s in sqls)])
-    per_task = len(service["submit"]) + len(service[claim_op]) / batch + len(service["complete"])
-    total = ["", "", ""]
-    if all(op in costs for op in ("submit", claim_op, "complete")):
-        total = [f"{costs['submit'][k] + costs[claim_op][k] / batch + costs['complete'][k]:.2f}" for k in range(3)]
-    rows.append(
-        [
-            f"per task (submit + claim/{batch} + complete)",
-            f"{per_task:.1f}",
-            *total,
-            f"{2 + 1 / batch:.1f} transactions",
-        ]
-    )
+        rows.append([op, str(len(sqls)), *cells, summarize_sqls(sqls)])
+    for mode in modes:
+        ops = mode.calls
+        per_task = sum(len(service[op]) / size for op, size in ops)
+        transactions = sum(sum(1 for sql in service[op] if sql.strip().upper() == "BEGIN") / size for op, size in ops)
+        total = ["", "", ""]
+        if all(op in costs for op, _ in ops):
+            total = [f"{sum(costs[op][k] / size for op, size in ops):.2f}" for k in range(3)]
+        rows.append(
+            [
+                f"per task, {mode.name} (submit/{mode.submit_batch} + claim/{mode.claim_max} + "
+                f"complete/{mode.complete_batch})",
+                f"{per_task:.2f}",
+                *total,
+                f"{transactions:.2f} transactions",
+            ]
+        )
     header = [
         "service call",
         "statements",
@@ -1124,6 +1306,23 @@ def statements_table(
         ]
         text += "\n\n" + markdown_table(header, http_rows)
     return text
+
+
+def summarize_sqls(sqls: list[str], limit: int = 24) -> str:
+    """Return the statements' labels in order, a run of the same label as one (``INSERT task (x100)``).
+
+    A batched call can run hundreds of statements; past ``limit`` labels the rest is counted.
+    """
+    runs: list[list[Any]] = []
+    for label in (summarize_sql(sql) for sql in sqls):
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    labels = [label if count == 1 else f"{label} (x{count})" for label, count in runs]
+    if len(labels) > limit:
+        labels = [*labels[:limit], f"... {len(labels) - limit} more"]
+    return ", ".join(labels)
 
 
 def summarize_sql(sql: str) -> str:
@@ -1161,8 +1360,9 @@ def record_section(
         f"fsync={facts['fsync']}, shared_buffers={facts['shared_buffers']})\n"
         f"- Python {platform.python_version()}, Django {django_version()}\n"
         f"- Command: `python -m bench.throughput {' '.join(sys.argv[1:])}`\n"
-        f"- Settings: service N={service_n}, HTTP N={http_n}, batch B={args.batch}, W={args.workers}, "
-        f"{baseline}, uvicorn processes={args.http_processes}"
+        f"- Settings: service N={service_n} ({'; '.join(f'{m.name}: {m.sizes}' for m in service_modes(args))}), "
+        f"HTTP N={http_n}, batch B={args.batch}, W={args.workers}, {baseline}, {peer_settings(args)}, "
+        f"uvicorn processes={args.http_processes}"
         f"{' with a psycopg connection pool' if args.http_db_pool else ''}, DEBUG off"
     )
     body = "\n".join(
@@ -1194,16 +1394,90 @@ def django_version() -> str:
     return django.get_version()
 
 
+# JSON ------------------------------------------------------------------------------------
+
+
+JSON_WORKERS = 4  # --json writes the figures of this worker count
+
+
+@dataclass
+class RunFigures:
+    """Everything one run measured, for the report and for ``--json``."""
+
+    results: list[ScenarioResult]
+    baselines: dict[int, float]
+    peer: Any  # bench.pgqueuer_peer.DrainResult, or None when the peer did not run
+    service_sql: dict[str, list[str]]
+    batch: int
+
+
+def json_figures(run: RunFigures) -> dict[str, Any]:
+    """Return the figures ``--json`` writes: W = 4, one key per part (None for a part that did not run).
+
+    Rates are per second; ``statements`` are the SQL statements (BEGIN and COMMIT included)
+    of one unbatched submit, one claim of ``--batch`` and one complete. A new part adds its
+    key here.
+    """
+
+    def service(mode: str) -> dict[str, float] | None:
+        found = [r for r in run.results if r.mode == f"service {mode}" and r.workers == JSON_WORKERS]
+        if not found:
+            return None
+        r = found[0]
+        return {
+            "submit_per_s": round(r.submit_rate, 1),
+            "drain_per_s": round(r.claim_complete_rate, 1),
+            "pipeline_per_s": round(r.pipeline_rate, 1),
+        }
+
+    def statements(op: str) -> int | None:
+        return len(run.service_sql[op]) if op in run.service_sql else None
+
+    tps = run.baselines.get(JSON_WORKERS)
+    return {
+        "service_unbatched": service("unbatched"),
+        "service_batched": service("batched"),
+        "pgbench_tps": round(tps, 1) if tps else None,
+        "pgqueuer_drain_per_s": round(run.peer.rate, 1) if run.peer else None,
+        "statements": {
+            "submit": statements("submit"),
+            "claim": statements(f"claim (max {run.batch})"),
+            "complete": statements("complete"),
+        },
+    }
+
+
+def write_json(path: Path, figures: dict[str, Any]) -> None:
+    """Write ``figures`` to ``path`` (indented, keys in the order given)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def peer_settings(args: argparse.Namespace) -> str:
+    """Return how the pgqueuer peer ran, for the record."""
+    if not args.pgqueuer:
+        return "no pgqueuer peer"
+    return f"pgqueuer N={args.pgqueuer_jobs} ({args.pgqueuer_dequeuers} dequeuers x batch {args.pgqueuer_batch})"
+
+
 # Main ------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=20_000, help="tasks per service-layer scenario (20000)")
+    parser.add_argument("--tasks", "--n", type=int, default=20_000, help="tasks per service-layer scenario (20000)")
     parser.add_argument("--http-tasks", type=int, default=5_000, help="tasks per HTTP scenario (5000)")
-    parser.add_argument("--workers", default="4,8", help="comma-separated worker counts W (4,8)")
-    parser.add_argument("--batch", type=int, default=10, help="max claims per claim call B (10)")
+    parser.add_argument("--workers", default="4", help="comma-separated worker counts W (4; e.g. 4,8)")
+    parser.add_argument(
+        "--batch", type=int, default=10, help="unbatched mode (and HTTP): max claims per claim call B (10)"
+    )
+    parser.add_argument("--modes", default="unbatched,batched", help="service-layer modes to run (unbatched,batched)")
+    parser.add_argument(
+        "--batched-sizes",
+        default="100,50,50",
+        help="batched mode: tasks per tasks_submit_many, task_claim max, claims per claims_complete_many (100,50,50)",
+    )
     parser.add_argument(
         "--service", action=argparse.BooleanOptionalAction, default=True, help="run the service-layer scenario"
     )
@@ -1212,6 +1486,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pgbench", action=argparse.BooleanOptionalAction, default=True, help="run the baseline")
     parser.add_argument("--pgbench-seconds", type=int, default=15, help="pgbench -T (15)")
     parser.add_argument("--pgbench-scale", type=int, default=10, help="pgbench -i -s (10)")
+    parser.add_argument(
+        "--pgqueuer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the pgqueuer peer (needs bench/requirements.txt)",
+    )
+    parser.add_argument("--pgqueuer-jobs", type=int, help="jobs the pgqueuer peer drains (default: --tasks)")
+    parser.add_argument("--pgqueuer-dequeuers", type=int, default=5, help="pgqueuer QueueManagers (5)")
+    parser.add_argument("--pgqueuer-batch", type=int, default=10, help="pgqueuer dequeue batch size (10)")
+    parser.add_argument(
+        "--json", type=Path, metavar="PATH", help=f"also write the W = {JSON_WORKERS} figures as JSON to PATH"
+    )
     parser.add_argument(
         "--quiet-threshold",
         type=float,
@@ -1241,12 +1527,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--workers, --tasks and --http-tasks must be positive")
     if not 1 <= args.batch <= 100:
         parser.error("--batch must be between 1 and 100")
+    args.mode_names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.mode_names or not set(args.mode_names) <= set(ALL_MODES):
+        parser.error("--modes takes unbatched, batched or both")
+    try:
+        args.batched_sizes = tuple(int(x) for x in args.batched_sizes.split(","))
+    except ValueError:
+        args.batched_sizes = ()
+    if len(args.batched_sizes) != 3 or min(args.batched_sizes) < 1:
+        parser.error("--batched-sizes takes three positive numbers: SUBMIT,CLAIM,COMPLETE")
+    args.pgqueuer_jobs = args.pgqueuer_jobs or args.tasks
+    if min(args.pgqueuer_jobs, args.pgqueuer_dequeuers, args.pgqueuer_batch) < 1:
+        parser.error("--pgqueuer-jobs, --pgqueuer-dequeuers and --pgqueuer-batch must be positive")
+    if args.json and JSON_WORKERS not in args.worker_counts:
+        parser.error(f"--json writes the W = {JSON_WORKERS} figures: include {JSON_WORKERS} in --workers")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every scenario, print the report, optionally record it."""
     args = parse_args(argv)
+    peer_version = None
+    if args.pgqueuer:
+        from bench.pgqueuer_peer import require_pgqueuer
+
+        peer_version = require_pgqueuer()  # before any work: a missing peer is an error, never a skip
     QUIET.update(threshold_pct=args.quiet_threshold, max_wait_s=args.max_quiet_wait)
     setup_django(fresh=args.fresh_db)
     from django.conf import settings
@@ -1263,10 +1568,13 @@ def main(argv: list[str] | None = None) -> int:
     if not truncate_coordination_tables():
         print("note: the database name has no 'bench' in it; tables are not truncated, scenarios use fresh projects")
 
-    service_sql = count_service_statements(args.batch)
-    costs, costs_note = time_service_calls(args.batch)
-    http_sql = count_http_statements(args.batch)  # in-process: needs no server
-    statements = statements_table(service_sql, http_sql, args.batch, costs, costs_note)
+    service_api()  # stops with a clear message when this checkout lacks the batched services
+    modes = service_modes(args)
+    every_mode = service_modes(args, ALL_MODES)  # statements and per-call costs: always both
+    service_sql = count_service_statements(every_mode)
+    costs, costs_note = time_service_calls(every_mode)
+    http_sql = count_http_statements(args.batch) if args.http else None  # in-process: needs no server
+    statements = statements_table(service_sql, http_sql, every_mode, costs, costs_note)
     if args.http_db_pool:
         statements += "\n\n(The in-process HTTP counts use the project's settings, without the connection pool.)"
     print("\nSQL statements per operation\n" + statements)
@@ -1292,13 +1600,13 @@ def main(argv: list[str] | None = None) -> int:
         server.__enter__()
     try:
         for workers in args.worker_counts:
-            if args.service:
-                print(f"\nW={workers}: service layer, {args.tasks} tasks, batch {args.batch} ...", flush=True)
-                result = run_service_scenario(args.tasks, workers, args.batch)
+            for mode in modes if args.service else []:
+                print(f"\nW={workers}: service layer {mode.name}, {args.tasks} tasks, {mode.sizes} ...", flush=True)
+                result = run_service_scenario(args.tasks, workers, mode)
                 results.append(result)
                 for line in scenario_lines(result):
                     print("  " + line)
-                    details.append(f"service W={workers}: {line}")
+                    details.append(f"service {mode.name} W={workers}: {line}")
             if server:
                 print(f"W={workers}: HTTP, {args.http_tasks} tasks, batch {args.batch} ...", flush=True)
                 result = run_http_scenario(server, args.http_tasks, workers, args.batch)
@@ -1324,9 +1632,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server:
             server.__exit__()
+    peer = None
+    if args.pgqueuer:
+        print(
+            f"\npgqueuer {peer_version}: drain {args.pgqueuer_jobs} jobs, "
+            f"{args.pgqueuer_dequeuers} dequeuers x batch {args.pgqueuer_batch} ...",
+            flush=True,
+        )
+        peer = run_pgqueuer_peer(url, args.pgqueuer_jobs, args.pgqueuer_dequeuers, args.pgqueuer_batch)
+        for line in peer_lines(peer, peer_version):
+            print("  " + line)
+            details.append(line)
 
-    table = results_table(results, baselines)
-    verdicts = target_verdicts(results, pgbench_results)
+    table = results_table(results, baselines, peer)
+    verdicts = target_verdicts(results, pgbench_results, peer)
     print("\n" + table + "\n")
     for verdict in verdicts:
         print(verdict)
@@ -1336,7 +1655,11 @@ def main(argv: list[str] | None = None) -> int:
         existing = RECORD_PATH.read_text() if RECORD_PATH.exists() else "# Benchmarks\n"
         RECORD_PATH.write_text(existing.rstrip("\n") + "\n\n" + section)
         print(f"\nrecorded in {RECORD_PATH.relative_to(ROOT)}")
-    return 0 if all(r.verification["ok"] for r in results) else 1
+    if args.json:
+        write_json(args.json, json_figures(RunFigures(results, baselines, peer, service_sql, args.batch)))
+        print(f"\nfigures written to {args.json}")
+    verified = [r.verification["ok"] for r in results] + ([peer.verification["ok"]] if peer else [])
+    return 0 if all(verified) else 1
 
 
 def scenario_lines(result: ScenarioResult) -> list[str]:
@@ -1355,32 +1678,39 @@ def scenario_lines(result: ScenarioResult) -> list[str]:
     ]
 
 
-def target_verdicts(results: list[ScenarioResult], baselines: dict[int, PgbenchResult]) -> list[str]:
-    """Return one line per service-layer row: pipeline and claim+complete against 0.5 x pgbench -N.
+def target_verdicts(results: list[ScenarioResult], baselines: dict[int, PgbenchResult], peer: Any = None) -> list[str]:
+    """Return one line per service-layer row: against 0.5 x pgbench -N, and against pgqueuer's drain.
 
-    Also compares CPU cost (ours per task vs pgbench's per transaction), which holds even when
-    other processes share the machine during the run.
+    Also compares CPU cost (ours per task vs pgbench's per transaction and pgqueuer's per
+    job), which holds even when other processes share the machine during the run.
     """
     lines = []
     for r in results:
         baseline = baselines.get(r.workers)
-        if r.mode != "service" or baseline is None:
+        if not r.mode.startswith("service") or (baseline is None and peer is None):
             continue
-        tps = baseline.tps
-        ratio = r.pipeline_rate / tps
-        met = "met" if ratio >= TARGET_RATIO else "NOT met"
         ours = r.submit_cpu.bench_s + r.submit_cpu.backend_s + r.claim_cpu.bench_s + r.claim_cpu.backend_s
         ours_ms = 1000 * ours / r.tasks
-        line = (
-            f"W={r.workers}: service pipeline {r.pipeline_rate:.0f} tasks/s vs pgbench -N {tps:.0f} TPS = "
-            f"{ratio:.2f}x (target >= {TARGET_RATIO}x: {met}); claim+complete alone "
-            f"{r.claim_complete_rate / tps:.2f}x, submit alone {r.submit_rate / tps:.2f}x. "
-            f"CPU per task {ours_ms:.2f} ms (Python + postgres)"
-        )
-        if baseline.backend_ms_per_txn is not None:
+        parts = [f"W={r.workers}: {r.mode} pipeline {r.pipeline_rate:.0f} tasks/s"]
+        if baseline is not None:
+            tps = baseline.tps
+            ratio = r.pipeline_rate / tps
+            met = "met" if ratio >= TARGET_RATIO else "NOT met"
+            parts.append(
+                f"vs pgbench -N {tps:.0f} TPS = {ratio:.2f}x (target >= {TARGET_RATIO}x: {met}); claim+complete "
+                f"alone {r.claim_complete_rate / tps:.2f}x, submit alone {r.submit_rate / tps:.2f}x."
+            )
+        if peer is not None:
+            parts.append(
+                f"Claim+complete {r.claim_complete_rate:.0f}/s vs pgqueuer's drain {peer.rate:.0f} jobs/s = "
+                f"{r.claim_complete_rate / peer.rate:.2f}x."
+            )
+        cost = f"CPU per task {ours_ms:.2f} ms (Python + postgres)"
+        if baseline is not None and baseline.backend_ms_per_txn is not None:
             theirs = baseline.client_ms_per_txn + baseline.backend_ms_per_txn
-            line += f" vs {theirs:.2f} ms per pgbench transaction = {theirs / ours_ms:.2f}x cost ratio"
-        lines.append(line)
+            cost += f" vs {theirs:.2f} ms per pgbench transaction = {theirs / ours_ms:.2f}x cost ratio"
+        parts.append(cost)
+        lines.append(" ".join(parts))
     return lines
 
 
