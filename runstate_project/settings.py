@@ -93,6 +93,15 @@ if DATABASE_URL:
     # Health checks: a connection that died with the server (a restart) is replaced before
     # use, by the pool's check or, for a persistent connection (workers), at the start of a task.
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
+    # Server-side binding lets psycopg prepare a statement after it has run this many times on
+    # a connection ("off": never): the hot single statements are then planned once per
+    # connection instead of on every call (docs/benchmarks.md has the measurement). Turn it
+    # off behind a pooler in transaction mode that cannot keep prepared statements.
+    RUNSTATE_DB_PREPARE_THRESHOLD = os.environ.get("RUNSTATE_DB_PREPARE_THRESHOLD", "1")
+    if RUNSTATE_DB_PREPARE_THRESHOLD != "off" and DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        DATABASES["default"].setdefault("OPTIONS", {}).update(
+            server_side_binding=True, prepare_threshold=int(RUNSTATE_DB_PREPARE_THRESHOLD)
+        )
     RUNSTATE_DB_POOL_SIZE = int(os.environ.get("RUNSTATE_DB_POOL_SIZE", "30"))
     if RUNSTATE_DB_POOL_SIZE > 0 and DATABASES["default"]["ENGINE"].endswith("postgresql"):
         # Under ASGI every request runs in a thread of its own: a burst of requests would
