@@ -22,7 +22,7 @@ from coordination.models import Event, Mailbox, Task
 from coordination.services import dispatch, sql
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup
-from coordination.services.locking import run_chain_lock_active
+from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.services.retry import retrying
 from coordination.services.sql import fast_paths_enabled
@@ -96,16 +96,8 @@ _FENCE = f"""
 #                    -> Index Scan using task_claimable on coordination_task
 #          -> Index Scan using coordination_task_pkey on coordination_task t
 CLAIM_SQL = f"""
-WITH chain AS (
-    SELECT r.stored_state, r.deadline
-    FROM coordination_run r
-    WHERE r.id = ANY (string_to_array(rtrim(
-        (SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s), '/'), '/')::uuid[])
-    ORDER BY r.depth
-    FOR KEY SHARE OF r
-), gate AS (
-    SELECT count(*) > 0
-        AND bool_and(stored_state = 'ACTIVE' AND (deadline IS NULL OR deadline > %(now)s))
+WITH {CHAIN_KEY_SHARE_CTE}, gate AS (
+    SELECT {CHAIN_ACTIVE_SQL}
         AND NOT EXISTS (
             SELECT 1 FROM coordination_task x
             WHERE x.state = 'RUNNING' AND x.lease_expires_at <= %(now)s
@@ -148,24 +140,25 @@ WITH done AS (
 SELECT {_TASK} FROM done
 """
 
+# What a complete sets, and the event it writes, for one claim or a batch.
+_COMPLETE_SET = """
+    state = CASE WHEN t.state = 'CANCELLATION_REQUESTED' THEN 'CANCELLED' ELSE 'SUCCEEDED' END,
+    finished_at = %(now)s, lease_expires_at = NULL"""
+_COMPLETE_EVENTS = event_insert_sql(
+    "done",
+    type_sql="CASE WHEN state = 'CANCELLED' THEN 'task.cancelled' ELSE 'task.succeeded' END",
+    data_sql="CASE WHEN state = 'CANCELLED' "
+    "THEN jsonb_build_object('reason', cancel_reason, 'cause', 'handler_returned') "
+    "ELSE jsonb_build_object('attempt', attempts) END",
+)
+
 COMPLETE_SQL = f"""
 WITH done AS (
     UPDATE coordination_task t
-    SET state = CASE WHEN t.state = 'CANCELLATION_REQUESTED' THEN 'CANCELLED' ELSE 'SUCCEEDED' END,
-        outcome = %(outcome)s, finished_at = %(now)s, lease_expires_at = NULL
+    SET {_COMPLETE_SET}, outcome = %(outcome)s
     WHERE {_FENCE}
     RETURNING t.*
-), events AS (
-    {
-    event_insert_sql(
-        "done",
-        type_sql="CASE WHEN state = 'CANCELLED' THEN 'task.cancelled' ELSE 'task.succeeded' END",
-        data_sql="CASE WHEN state = 'CANCELLED' "
-        "THEN jsonb_build_object('reason', cancel_reason, 'cause', 'handler_returned') "
-        "ELSE jsonb_build_object('attempt', attempts) END",
-    )
-}
-)
+), events AS ({_COMPLETE_EVENTS})
 SELECT {_TASK} FROM done
 """
 
@@ -340,15 +333,23 @@ def _task_claim_careful(
     return claims
 
 
-def lease_expired(task: Task, now: datetime) -> list[Event]:
-    """Settle a locked held task whose lease ran out (or whose cancel grace passed)."""
+def _let_go(task: Task, now: datetime, *, cause: str) -> Event | None:
+    """Free a locked held task's lease; record ``CANCELLED`` (and return its event) if cancellation was requested."""
     task.lease_expires_at = None
     task.worker_id = ""
-    if task.state == TaskState.CANCELLATION_REQUESTED:
-        task.state = TaskState.CANCELLED
-        task.finished_at = now
-        task.save(update_fields=["state", "finished_at", "lease_expires_at", "worker_id"])
-        return [event_for(task, "task.cancelled", reason=task.cancel_reason, cause="cancellation_finalized")]
+    if task.state != TaskState.CANCELLATION_REQUESTED:
+        return None
+    task.state = TaskState.CANCELLED
+    task.finished_at = now
+    task.save(update_fields=["state", "finished_at", "lease_expires_at", "worker_id"])
+    return event_for(task, "task.cancelled", reason=task.cancel_reason, cause=cause)
+
+
+def lease_expired(task: Task, now: datetime) -> list[Event]:
+    """Settle a locked held task whose lease ran out (or whose cancel grace passed)."""
+    cancelled = _let_go(task, now, cause="cancellation_finalized")
+    if cancelled is not None:
+        return [cancelled]
     if task.attempts < task.max_attempts:
         task.state = TaskState.QUEUED
         task.available_at = now
@@ -446,22 +447,11 @@ items AS (
 COMPLETE_MANY_SQL = f"""
 WITH {_BATCH_ITEMS}, done AS (
     UPDATE coordination_task t
-    SET state = CASE WHEN t.state = 'CANCELLATION_REQUESTED' THEN 'CANCELLED' ELSE 'SUCCEEDED' END,
-        outcome = i.value::jsonb, finished_at = %(now)s, lease_expires_at = NULL
+    SET {_COMPLETE_SET}, outcome = i.value::jsonb
     FROM items i
     WHERE t.id = i.task_id AND t.attempts = i.attempt AND t.id IN (SELECT id FROM locked)
     RETURNING t.*
-), events AS (
-    {
-    event_insert_sql(
-        "done",
-        type_sql="CASE WHEN state = 'CANCELLED' THEN 'task.cancelled' ELSE 'task.succeeded' END",
-        data_sql="CASE WHEN state = 'CANCELLED' "
-        "THEN jsonb_build_object('reason', cancel_reason, 'cause', 'handler_returned') "
-        "ELSE jsonb_build_object('attempt', attempts) END",
-    )
-}
-)
+), events AS ({_COMPLETE_EVENTS})
 SELECT {_TASK} FROM done
 """
 
@@ -714,13 +704,9 @@ def _claim_release_careful(*, project_id: uuid.UUID, claim_id: str) -> Task:
     if task.state in TASK_TERMINAL:
         return task
     now = timezone.now()
-    task.lease_expires_at = None
-    task.worker_id = ""
-    if task.state == TaskState.CANCELLATION_REQUESTED:
-        task.state = TaskState.CANCELLED
-        task.finished_at = now
-        task.save(update_fields=["state", "finished_at", "lease_expires_at", "worker_id"])
-        record(task, "task.cancelled", reason=task.cancel_reason, cause="released")
+    cancelled = _let_go(task, now, cause="released")
+    if cancelled is not None:
+        events_record_many([cancelled])
     else:
         task.state = TaskState.QUEUED
         task.available_at = now

@@ -26,6 +26,23 @@ class LockMode(enum.Enum):
     UPDATE = "FOR UPDATE"  # cancelling or completing the run
 
 
+# The same lock inside one SQL statement, for the single-statement fast paths: a CTE named
+# ``chain`` locking the chain of ``%(run_id)s`` (in ``%(project_id)s``) FOR KEY SHARE, root
+# first (ORDER BY runs below the row locks), its ids read from the run's path; and the
+# condition, over ``chain``, that every run of it accepts new work at ``%(now)s`` (an unknown
+# run gives an empty chain, so it fails too). ``chain_refusal`` says why, on the careful path.
+CHAIN_KEY_SHARE_CTE = """
+chain AS (
+    SELECT r.stored_state, r.deadline
+    FROM coordination_run r
+    WHERE r.id = ANY (string_to_array(rtrim(
+        (SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s), '/'), '/')::uuid[])
+    ORDER BY r.depth
+    FOR KEY SHARE OF r
+)"""
+CHAIN_ACTIVE_SQL = "count(*) > 0 AND bool_and(stored_state = 'ACTIVE' AND (deadline IS NULL OR deadline > %(now)s))"
+
+
 def _lock_runs(ids: Sequence[uuid.UUID], mode: LockMode) -> list[Run]:
     """Lock the runs with ``ids`` in ``mode``, root first, and return them root first."""
     if not ids:

@@ -22,7 +22,7 @@ from coordination.services import dispatch, sql
 from coordination.services.cascade import SubtreeEnd
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
-from coordination.services.locking import chain_refusal, run_chain_lock_active
+from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_refusal, run_chain_lock_active
 from coordination.services.mailboxes import validate_max_attempts
 from coordination.services.retry import GroupMembershipChanged, retrying
 from coordination.services.sql import fast_paths_enabled
@@ -211,17 +211,8 @@ def _new_task(project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: 
 # inserts only when the chain is active and the run has no group gated on this mailbox (a
 # gated submit joins the group: careful path). Keys resolve through ON CONFLICT DO NOTHING:
 # a task not inserted is answered by the careful path (idempotent resubmit or KEY_CONFLICT).
-_SUBMIT_CHAIN = """
-chain AS (
-    SELECT r.stored_state, r.deadline
-    FROM coordination_run r
-    WHERE r.id = ANY (string_to_array(rtrim(
-        (SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s), '/'), '/')::uuid[])
-    ORDER BY r.depth
-    FOR KEY SHARE OF r
-), gate AS (
-    SELECT count(*) > 0
-        AND bool_and(stored_state = 'ACTIVE' AND (deadline IS NULL OR deadline > %(now)s))
+_SUBMIT_CHAIN = f"""{CHAIN_KEY_SHARE_CTE}, gate AS (
+    SELECT {CHAIN_ACTIVE_SQL}
         AND NOT EXISTS (
             SELECT 1 FROM coordination_taskgroup g WHERE g.scope_id = %(run_id)s AND g.mailbox_id = %(mailbox_id)s
         ) AS open

@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 from django.test import override_settings
 from django.utils import timezone
-from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -44,6 +44,7 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_cancel, task_submit
+from tests.machines import machine_settings
 
 pytestmark = pytest.mark.postgres_only
 
@@ -289,13 +290,7 @@ class PathsMachine(RuleBasedStateMachine):
         assert views[0] == views[1], f"fast and careful worlds differ:\n{views[0]}\n{views[1]}"
 
 
-MACHINE_SETTINGS = settings(
-    max_examples=100,
-    stateful_step_count=40,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+MACHINE_SETTINGS = machine_settings(max_examples=100, steps=40)
 
 
 @pytest.mark.timeout(600)

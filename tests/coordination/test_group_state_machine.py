@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -35,6 +35,7 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_complete, run_create
 from coordination.services.tasks import task_cancel
+from tests.machines import machine_settings
 
 # The model ------------------------------------------------------------------------------
 # Plain strings on purpose: the model is written from DESIGN.md, not from the code's enums.
@@ -521,14 +522,7 @@ class GroupMachine(RuleBasedStateMachine):
         assert (gate_state == "CANCELLED") == model.finalized, gate_state
 
 
-MACHINE_SETTINGS = settings(
-    max_examples=75,
-    stateful_step_count=30,
-    deadline=None,
-    # No "explain" phase: its line tracing makes shrinking a failure several times slower.
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+MACHINE_SETTINGS = machine_settings(max_examples=75, steps=30)
 
 
 # A pass takes well under a minute; a failure may shrink for up to Hypothesis's own five
