@@ -15,7 +15,11 @@ Topics of a row (``coordination/notify.py`` explains why):
   ``message.sent``, ``message.retried`` and every ``run.*`` event.
 """
 
+from importlib import import_module
+
 from django.db import migrations
+
+from coordination.migrations._postgres import execute_on_postgres
 
 # PostgreSQL rejects a payload of 8,000 bytes or more.
 PAYLOAD_LIMIT = 8000
@@ -65,33 +69,18 @@ FORWARD = [
 ]
 
 BACKWARD = [
-    # 0004's row trigger, as it was.
-    """
-    CREATE OR REPLACE FUNCTION runstate_event_notify() RETURNS trigger AS $$
-    BEGIN
-        PERFORM pg_notify('runstate', NEW.subject_id || ' ' || coalesce(NEW.run_id::text, ''));
-        RETURN NULL;
-    END;
-    $$ LANGUAGE plpgsql
-    """,
-    "DROP TRIGGER IF EXISTS runstate_event_notify ON coordination_event",
-    "CREATE TRIGGER runstate_event_notify AFTER INSERT ON coordination_event "
-    "FOR EACH ROW EXECUTE FUNCTION runstate_event_notify()",
+    *import_module("coordination.migrations.0004_work_path_index_and_event_notify").ROW_TRIGGER,
     "DROP TRIGGER IF EXISTS runstate_events_notify ON coordination_event",
     "DROP FUNCTION IF EXISTS runstate_events_notify()",
 ]
 
 
 def forward(apps, schema_editor):
-    if schema_editor.connection.vendor == "postgresql":
-        for statement in FORWARD:
-            schema_editor.execute(statement)
+    execute_on_postgres(schema_editor, FORWARD)
 
 
 def backward(apps, schema_editor):
-    if schema_editor.connection.vendor == "postgresql":
-        for statement in BACKWARD:
-            schema_editor.execute(statement)
+    execute_on_postgres(schema_editor, BACKWARD)
 
 
 class Migration(migrations.Migration):
