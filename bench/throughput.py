@@ -1119,7 +1119,7 @@ NOTIFY_PROBE_SCRIPTS = {
 
 
 def notify_probe(pgbench: str, url: str, clients: int, seconds: int) -> dict[str, float]:
-    """TPS of a one-row INSERT transaction with and without ``pg_notify`` (every event row notifies).
+    """TPS of a one-row INSERT transaction with and without ``pg_notify`` (every event-writing statement notifies).
 
     A transaction that notifies takes a cluster-wide lock at commit and holds it through its
     WAL flush, so such commits are serialized; this shows what that costs on this server.

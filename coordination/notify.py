@@ -1,12 +1,29 @@
 """Wake long-polls when something they wait for commits.
 
-On PostgreSQL every event row fires ``NOTIFY runstate, '<subject_id> <run_id>'`` from a
-trigger, delivered when (and only if) its transaction commits. One thread per process holds
-a ``LISTEN`` connection and wakes the asyncio waiters registered for either id. Waiters
-subscribe *before* they read the database, so a notification can never fall between their
-read and their wait; after a reconnect every waiter is woken once to re-read, since
-notifications sent while disconnected are lost. On SQLite there is no NOTIFY and waiters
-poll on a short interval instead.
+On PostgreSQL a trigger (``coordination/migrations/0007_...``) sends one
+``NOTIFY runstate, '<topic> <topic> ...'`` per INSERT statement on the event table: the
+distinct topics of the statement's rows, split over several notifications only when they
+would not fit in one payload (under 8,000 bytes), and one empty payload when no row has a
+topic. PostgreSQL delivers them when (and only if) the transaction commits. The topics of
+an event row:
+
+- its ``subject_id`` (when not empty): the task, message, group, barrier, timer or run it
+  is about. Task-result, group, barrier and timer waits subscribe to their object's id.
+- its ``run_id``, only for the events that make work available on the run or change what
+  a claimer or receiver of the run is answered: ``task.submitted``, ``task.requeued``
+  (released, retried, lease expired), ``message.sent``, ``message.retried`` and every
+  ``run.*`` event (a cancel, complete or deadline refuses claims and receives). Claim and
+  receive waits subscribe to their run's chain of ids. ``task.claimed``, ``task.succeeded``,
+  ``message.received`` and the like take work away or end it, so they never wake a run's
+  claimers: a busy run wakes its idle claimers only when there is something to claim.
+
+Waiters on ``ANY_TOPIC`` (event-log readers, SSE streams) wake on every notification.
+
+One thread per process holds a ``LISTEN`` connection and wakes the asyncio waiters
+registered for any topic of a payload. Waiters subscribe *before* they read the database,
+so a notification can never fall between their read and their wait; after a reconnect
+every waiter is woken once to re-read, since notifications sent while disconnected are
+lost. On SQLite there is no NOTIFY and waiters poll on a short interval instead.
 """
 
 import asyncio

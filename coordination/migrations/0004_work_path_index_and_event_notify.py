@@ -7,11 +7,10 @@ The payload is ``"<subject_id> <run_id>"``; waiters listen for either.
 
 from django.db import migrations
 
-FORWARD = [
-    "CREATE INDEX IF NOT EXISTS task_unfinished_run_path ON coordination_task (run_path text_pattern_ops) "
-    "WHERE state IN ('QUEUED', 'RUNNING', 'CANCELLATION_REQUESTED')",
-    "CREATE INDEX IF NOT EXISTS message_unfinished_run_path ON coordination_message (run_path text_pattern_ops) "
-    "WHERE state IN ('QUEUED', 'IN_FLIGHT')",
+from coordination.migrations._postgres import execute_on_postgres
+
+# The row trigger (replaced by 0007's statement trigger, which restores it when unapplied).
+ROW_TRIGGER = [
     """
     CREATE OR REPLACE FUNCTION runstate_event_notify() RETURNS trigger AS $$
     BEGIN
@@ -25,6 +24,14 @@ FORWARD = [
     "FOR EACH ROW EXECUTE FUNCTION runstate_event_notify()",
 ]
 
+FORWARD = [
+    "CREATE INDEX IF NOT EXISTS task_unfinished_run_path ON coordination_task (run_path text_pattern_ops) "
+    "WHERE state IN ('QUEUED', 'RUNNING', 'CANCELLATION_REQUESTED')",
+    "CREATE INDEX IF NOT EXISTS message_unfinished_run_path ON coordination_message (run_path text_pattern_ops) "
+    "WHERE state IN ('QUEUED', 'IN_FLIGHT')",
+    *ROW_TRIGGER,
+]
+
 BACKWARD = [
     "DROP TRIGGER IF EXISTS runstate_event_notify ON coordination_event",
     "DROP FUNCTION IF EXISTS runstate_event_notify()",
@@ -34,15 +41,11 @@ BACKWARD = [
 
 
 def forward(apps, schema_editor):
-    if schema_editor.connection.vendor == "postgresql":
-        for statement in FORWARD:
-            schema_editor.execute(statement)
+    execute_on_postgres(schema_editor, FORWARD)
 
 
 def backward(apps, schema_editor):
-    if schema_editor.connection.vendor == "postgresql":
-        for statement in BACKWARD:
-            schema_editor.execute(statement)
+    execute_on_postgres(schema_editor, BACKWARD)
 
 
 class Migration(migrations.Migration):

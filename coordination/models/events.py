@@ -16,7 +16,8 @@ class Event(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     txid = models.BigIntegerField(editable=False)
-    project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+")
+    # No index of its own: event_project_cursor leads with it.
+    project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+", db_index=False)
     type = models.CharField(max_length=64)
     run_id = models.UUIDField(null=True, blank=True)
     # The run's materialized path, so ``?runId=`` matches the run and every run below it.

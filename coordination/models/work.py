@@ -39,9 +39,10 @@ class Task(models.Model):
     """
 
     id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
-    project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+")
+    # No index of their own: task_project_state and task_run_created lead with them.
+    project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+", db_index=False)
     mailbox = models.ForeignKey(Mailbox, on_delete=models.PROTECT, related_name="tasks")
-    run = models.ForeignKey("coordination.Run", on_delete=models.PROTECT, related_name="tasks")
+    run = models.ForeignKey("coordination.Run", on_delete=models.PROTECT, related_name="tasks", db_index=False)
     # The run's path, copied so a cascade finds a subtree's tasks with one index range scan.
     run_path = models.TextField(editable=False)
     # The earliest deadline of the run's chain (deadlines never change after creation).
@@ -55,8 +56,14 @@ class Task(models.Model):
     max_attempts = models.PositiveIntegerField(default=DEFAULT_MAX_ATTEMPTS)
     priority = models.IntegerField(default=0)
     # Set once, when the task joins a group (group services lock the group before the task).
+    # Indexed by task_group_member, only where set: most tasks belong to no group.
     group = models.ForeignKey(
-        "coordination.TaskGroup", null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks"
+        "coordination.TaskGroup",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="tasks",
+        db_index=False,
     )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     available_at = models.DateTimeField(default=timezone.now)
@@ -92,6 +99,7 @@ class Task(models.Model):
             models.Index(fields=["expires_at"], condition=Q(state="QUEUED"), name="task_queued_expiry"),
             models.Index(fields=["project", "state"], name="task_project_state"),
             models.Index(fields=["run", "created_at"], name="task_run_created"),
+            models.Index(fields=["group"], condition=Q(group__isnull=False), name="task_group_member"),
         ]
 
     def __str__(self) -> str:

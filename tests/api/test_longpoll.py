@@ -3,6 +3,7 @@
 import asyncio
 import threading
 import time
+import uuid
 
 import pytest
 from django.db import connection, transaction
@@ -95,15 +96,16 @@ def test_claim_wait_is_refused_when_the_run_is_cancelled_meanwhile(api, setup):
 def test_a_committed_event_wakes_its_waiter_through_notify(project):
     """The hub wakes a waiter on commit, not on a recheck: the wait reports a wake-up."""
     run = run_create(project_id=project.id)
+    subject = uuid.uuid4()
 
     async def scenario():
-        waiter = hub.subscribe([run.id])
+        waiter = hub.subscribe([subject])
         try:
             await hub.ready()
 
             def write():
                 with transaction.atomic():
-                    event_record(project_id=project.id, type="test.ping", run=run, subject_id="x")
+                    event_record(project_id=project.id, type="test.ping", run=run, subject_id=subject)
 
             writer = later(0.1, write)
             woken = await waiter.wait(30)
@@ -118,9 +120,10 @@ def test_a_committed_event_wakes_its_waiter_through_notify(project):
 @pytest.mark.postgres_only
 def test_a_rolled_back_event_wakes_nobody(project):
     run = run_create(project_id=project.id)
+    subject = uuid.uuid4()
 
     async def scenario():
-        waiter = hub.subscribe([run.id])
+        waiter = hub.subscribe([subject])
         try:
             await hub.ready()
             # The listener wakes everyone once when it connects, and run_create's own
@@ -131,7 +134,7 @@ def test_a_rolled_back_event_wakes_nobody(project):
             def write_and_roll_back():
                 try:
                     with transaction.atomic():
-                        event_record(project_id=project.id, type="test.ping", run=run, subject_id="y")
+                        event_record(project_id=project.id, type="test.ping", run=run, subject_id=subject)
                         raise RuntimeError("roll back")
                 except RuntimeError:
                     pass
