@@ -17,18 +17,12 @@ from django.utils import timezone
 
 from coordination.models import Event
 from coordination.notify import CHANNEL, hub
+from coordination.services.claims import claim_complete, claim_fail, claim_release, task_claim
 from coordination.services.events import events_record_many
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import delivery_complete, delivery_retry, message_receive, message_send
 from coordination.services.runs import run_cancel, run_create
-from coordination.services.tasks import (
-    claim_complete,
-    claim_fail,
-    claim_release,
-    task_cancel,
-    task_claim,
-    task_submit,
-)
+from coordination.services.tasks import task_cancel, task_submit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
