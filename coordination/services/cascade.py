@@ -107,11 +107,13 @@ def subtree_rows_end(
     # The state list is inlined as literals (they are our enum values) so the planner can
     # match a partial index on them, e.g. ``task_unfinished_run_path`` (text_pattern_ops).
     state_sql = ", ".join(f"%(state_{i})s" for i in range(len(states)))
+    # ARRAY(...) runs the locking subquery once, before the update, and the update then finds
+    # the rows by primary key: as a join, the planner may hash the ids and scan the whole table.
     extra = f", t.{returning}" if returning else ""
     sql = (
         f"WITH ended AS (UPDATE {table} AS t SET {set_sql} "
-        f"WHERE t.id IN (SELECT id FROM {table} WHERE run_path LIKE %(prefix)s AND state IN ({state_sql}) "
-        "ORDER BY id FOR UPDATE) "
+        f"WHERE t.id = ANY(ARRAY(SELECT id FROM {table} WHERE run_path LIKE %(prefix)s AND state IN ({state_sql}) "
+        "ORDER BY id FOR UPDATE)) "
         f"RETURNING t.id, t.project_id, t.run_id, t.run_path{extra}) "
         + event_insert_sql("ended", type_sql="%(event_type)s", data_sql=data_sql)
     )
