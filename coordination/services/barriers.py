@@ -6,12 +6,12 @@ Lock order: the run chain, then the barrier row (house rule).
 import uuid
 from dataclasses import dataclass
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Barrier, BarrierArrival, Event, Run
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.states import BarrierState
@@ -113,7 +113,22 @@ def barrier_next_epoch(*, project_id: uuid.UUID, barrier_id: uuid.UUID) -> Barri
 
 
 def barriers_cancel_subtree(end: SubtreeEnd) -> None:
-    """Cancel the subtree's waiting barriers (released ones keep their state)."""
+    """Cancel the subtree's waiting barriers (released ones keep their state).
+
+    On PostgreSQL one statement locks, cancels and records them all, whatever their number.
+    """
+    if connection.vendor == "postgresql":
+        subtree_rows_end(
+            end,
+            Barrier,
+            states=[BarrierState.WAITING],
+            set_sql="state = %(cancelled)s",
+            event_type="barrier.cancelled",
+            data_sql="jsonb_build_object('epoch', epoch, 'cause', %(cause)s::text, 'reason', %(reason)s::text)",
+            params={"cancelled": BarrierState.CANCELLED},
+            returning="epoch",
+        )
+        return
     barriers = list(
         Barrier.objects.filter(run_path__startswith=end.path_prefix, state=BarrierState.WAITING)
         .order_by("id")

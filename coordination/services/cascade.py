@@ -77,7 +77,7 @@ def subtree_end(end: SubtreeEnd) -> None:
         step(end)
 
 
-# The data of the event of a task or message the cascade ended: {"reason": ..., "cause": ...}.
+# The data of the event of a task, message or timer the cascade ended: {"reason": ..., "cause": ...}.
 END_EVENT_DATA_SQL = "jsonb_build_object('reason', %(reason)s::text, 'cause', %(cause)s::text)"
 
 

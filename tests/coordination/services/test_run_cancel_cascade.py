@@ -14,12 +14,14 @@ from django.test.utils import CaptureQueriesContext
 
 from bench.cancel import build
 from coordination import exceptions
-from coordination.models import Event, Message, Run, Task
+from coordination.models import Barrier, Event, Message, Run, Task, Timer
+from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.claims import claim_complete, claim_fail, task_claim
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import message_receive, message_send
 from coordination.services.runs import run_cancel, run_complete, run_create, runs_sweep_deadlines
 from coordination.services.tasks import task_cancel, task_submit
+from coordination.services.timers import timer_create
 from coordination.states import TASK_UNFINISHED
 
 pytestmark = pytest.mark.django_db
@@ -77,8 +79,17 @@ def tree(project):
     in_flight, _ = message_send(project_id=project.id, mailbox=queue, run_id=kids[2].id, body={"m": 2})
     message_receive(project_id=project.id, mailbox=queue, run_id=kids[2].id)
     sibling_message, _ = message_send(project_id=project.id, mailbox=queue, run_id=sibling.id, body={"m": 3})
+    waiting = barrier_create(project_id=project.id, run_id=kids[1].id, target=2)
+    released = barrier_create(project_id=project.id, run_id=grandchild.id, target=1)
+    barrier_arrive(project_id=project.id, barrier_id=released.id, key="k")
+    armed = timer_create(project_id=project.id, run_id=grandchild.id, after_seconds=600)
+    fired = timer_create(project_id=project.id, run_id=kids[2].id, at=datetime.now(UTC) - timedelta(seconds=1))
+    sibling_barrier = barrier_create(project_id=project.id, run_id=sibling.id, target=2)
+    sibling_timer = timer_create(project_id=project.id, run_id=sibling.id, after_seconds=600)
     return {
         "project": project,
+        "barriers": {"waiting": waiting, "released": released, "sibling": sibling_barrier},
+        "timers": {"armed": armed, "fired": fired, "sibling": sibling_timer},
         "jobs": jobs,
         "target": target,
         "kids": kids,
@@ -139,7 +150,7 @@ def _before(tree):
     return _snapshot(inside), _snapshot([t.id for t in tree["outside"].values()])
 
 
-def test_cancel_ends_exactly_the_unfinished_tasks_and_queued_messages_of_the_subtree(tree):
+def test_cancel_ends_exactly_the_unfinished_work_of_the_subtree(tree, is_postgres):
     before_inside, before_outside = _before(tree)
     project, target = tree["project"], tree["target"]
     run_cancel(run_id=target.id, project_id=project.id, reason="stop")
@@ -167,6 +178,23 @@ def test_cancel_ends_exactly_the_unfinished_tasks_and_queued_messages_of_the_sub
     assert Message.objects.get(id=messages["in_flight"].id).state == "IN_FLIGHT"  # ends through its delivery
     assert Message.objects.get(id=messages["sibling"].id).state == "QUEUED"
     assert Event.objects.filter(type="message.cancelled").count() == 1
+
+    barriers, timers = tree["barriers"], tree["timers"]
+    assert Barrier.objects.get(id=barriers["waiting"].id).state == "CANCELLED"
+    assert Barrier.objects.get(id=barriers["released"].id).state == "RELEASED"
+    assert Barrier.objects.get(id=barriers["sibling"].id).state == "WAITING"
+    [barrier_event] = Event.objects.filter(type="barrier.cancelled")
+    assert barrier_event.subject_id == str(barriers["waiting"].id)
+    assert barrier_event.data == {"epoch": 1, "cause": "run_cancelled", "reason": "stop"}
+    assert (barrier_event.run_id, barrier_event.txid) == (tree["kids"][1].id, run_event.txid)
+    assert Timer.objects.get(id=timers["armed"].id).state == "CANCELLED"
+    assert Timer.objects.get(id=timers["fired"].id).state == "FIRED"
+    assert Timer.objects.get(id=timers["sibling"].id).state == "ARMED"
+    [timer_event] = Event.objects.filter(type="timer.cancelled")
+    assert timer_event.subject_id == str(timers["armed"].id)
+    assert timer_event.data == {"cause": "run_cancelled", "reason": "stop"}
+    if is_postgres:  # the one-statement steps date every event at the cascade's time
+        assert timer_event.created_at == barrier_event.created_at == cancelled.created_at
 
 
 def test_complete_cancels_the_unfinished_tasks_with_cause_run_completed(tree):
