@@ -113,19 +113,15 @@ def barrier_next_epoch(*, project_id: uuid.UUID, barrier_id: uuid.UUID) -> Barri
 
 
 def barriers_cancel_subtree(end: SubtreeEnd) -> None:
-    """Cancel the subtree's waiting barriers (released ones keep their state).
-
-    On PostgreSQL one statement locks, cancels and records them all, whatever their number.
-    """
-    if connection.vendor == "postgresql":
+    """Cancel the subtree's waiting barriers (released ones keep their state)."""
+    if connection.vendor == "postgresql":  # one statement, see subtree_rows_end
         subtree_rows_end(
             end,
             Barrier,
             states=[BarrierState.WAITING],
-            set_sql="state = %(cancelled)s",
+            final_state=BarrierState.CANCELLED,
             event_type="barrier.cancelled",
             data_sql="jsonb_build_object('epoch', epoch, 'cause', %(cause)s::text, 'reason', %(reason)s::text)",
-            params={"cancelled": BarrierState.CANCELLED},
             returning="epoch",
         )
         return

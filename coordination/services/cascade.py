@@ -86,20 +86,20 @@ def subtree_rows_end(
     model: type[models.Model],
     *,
     states: Iterable[str],
-    set_sql: str,
+    final_state: str,
     event_type: str,
-    data_sql: str,
-    params: dict | None = None,
+    also_set: str = "",
+    data_sql: str = END_EVENT_DATA_SQL,
     returning: str = "",
 ) -> int:
-    """End the subtree's rows of ``model`` in ``states`` and write one event each: one statement.
+    """Move the subtree's rows of ``model`` from ``states`` to ``final_state``, one event each: one statement.
 
     PostgreSQL only. The rows (``run_path`` under the run, ``state`` in ``states``) are locked
-    in id order (the lock order among rows of one table), updated with ``set_sql`` and their
-    events inserted by the same data-modifying CTE, so the cost in round trips does not grow
-    with the subtree. ``set_sql`` and ``data_sql`` may use the parameters ``now``, ``reason``,
-    ``cause`` and ``params``; ``data_sql`` sees the updated rows (``id``, ``project_id``,
-    ``run_id``, ``run_path`` and the columns named in ``returning``). Every event is dated
+    in id order (the lock order among rows of one table), updated and their events inserted
+    by the same data-modifying CTE, so the cost in round trips does not grow with the
+    subtree. ``also_set`` (more assignments) and ``data_sql`` may use the parameters ``now``,
+    ``reason`` and ``cause``; ``data_sql`` sees the updated rows (``id``, ``project_id``,
+    ``run_id``, ``run_path`` and the column named in ``returning``). Every event is dated
     ``end.now``. Return how many rows ended.
     """
     table = model._meta.db_table
@@ -109,9 +109,10 @@ def subtree_rows_end(
     state_sql = ", ".join(f"%(state_{i})s" for i in range(len(states)))
     # ARRAY(...) runs the locking subquery once, before the update, and the update then finds
     # the rows by primary key: as a join, the planner may hash the ids and scan the whole table.
+    assignments = ", ".join(filter(None, ["state = %(final_state)s", also_set]))
     extra = f", t.{returning}" if returning else ""
     sql = (
-        f"WITH ended AS (UPDATE {table} AS t SET {set_sql} "
+        f"WITH ended AS (UPDATE {table} AS t SET {assignments} "
         f"WHERE t.id = ANY(ARRAY(SELECT id FROM {table} WHERE run_path LIKE %(prefix)s AND state IN ({state_sql}) "
         "ORDER BY id FOR UPDATE)) "
         f"RETURNING t.id, t.project_id, t.run_id, t.run_path{extra}) "
@@ -123,8 +124,8 @@ def subtree_rows_end(
         "reason": end.reason,
         "cause": end.cause,
         "event_type": event_type,
+        "final_state": final_state,
         **{f"state_{i}": state for i, state in enumerate(states)},
-        **(params or {}),
     }
     with connection.cursor() as cursor:
         cursor.execute(sql, values)

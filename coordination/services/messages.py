@@ -19,7 +19,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.ids import fence_id, parse_fence_id
 from coordination.models import Event, Mailbox, Message, Run
-from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
@@ -302,19 +302,15 @@ def messages_cancel_orphaned_in_flight(*, now: datetime | None = None, batch_siz
 
 
 def messages_cancel_subtree(end: SubtreeEnd) -> None:
-    """Cancel the subtree's queued messages (in-flight ones finish through their delivery).
-
-    On PostgreSQL one statement locks, cancels and records them all, whatever their number.
-    """
-    if connection.vendor == "postgresql":
+    """Cancel the subtree's queued messages (in-flight ones finish through their delivery)."""
+    if connection.vendor == "postgresql":  # one statement, see subtree_rows_end
         subtree_rows_end(
             end,
             Message,
             states=[MessageState.QUEUED],
-            set_sql="state = %(cancelled)s, finished_at = %(now)s",
+            final_state=MessageState.CANCELLED,
             event_type="message.cancelled",
-            data_sql=END_EVENT_DATA_SQL,
-            params={"cancelled": MessageState.CANCELLED},
+            also_set="finished_at = %(now)s",
         )
         return
     cause = end.cause

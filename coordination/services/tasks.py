@@ -16,7 +16,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.models import Event, Mailbox, Run, Task, TaskGroup
 from coordination.services import dispatch
-from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
 from coordination.services.locking import chain_refusal, run_chain_lock_active
@@ -252,13 +252,9 @@ def tasks_cancel_subtree(end: SubtreeEnd) -> None:
             end,
             Task,
             states=sorted(TASK_UNFINISHED),
-            set_sql=(
-                "state = %(final_state)s, finished_at = %(now)s, cancel_reason = %(reason)s, "
-                "lease_expires_at = NULL, worker_id = ''"
-            ),
+            final_state=final_state,
             event_type=event_type,
-            data_sql=END_EVENT_DATA_SQL,
-            params={"final_state": final_state},
+            also_set="finished_at = %(now)s, cancel_reason = %(reason)s, lease_expires_at = NULL, worker_id = ''",
         )
         return
     rows = list(

@@ -13,7 +13,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.models import Event, Timer
 from coordination.services import dispatch
-from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import run_chain_lock_active
 from coordination.states import TimerState
@@ -164,19 +164,10 @@ def timer_cancel(*, project_id: uuid.UUID, timer_id: uuid.UUID) -> Timer:
 
 
 def timers_cancel_subtree(end: SubtreeEnd) -> None:
-    """Cancel the subtree's armed timers.
-
-    On PostgreSQL one statement locks, cancels and records them all, whatever their number.
-    """
-    if connection.vendor == "postgresql":
+    """Cancel the subtree's armed timers."""
+    if connection.vendor == "postgresql":  # one statement, see subtree_rows_end
         subtree_rows_end(
-            end,
-            Timer,
-            states=[TimerState.ARMED],
-            set_sql="state = %(cancelled)s",
-            event_type="timer.cancelled",
-            data_sql=END_EVENT_DATA_SQL,
-            params={"cancelled": TimerState.CANCELLED},
+            end, Timer, states=[TimerState.ARMED], final_state=TimerState.CANCELLED, event_type="timer.cancelled"
         )
         return
     timers = list(

@@ -100,7 +100,41 @@ def tree(project):
     }
 
 
-def _assert_subtree_ended(tree, *, state, event_type, data, before_inside, before_outside):
+def _before(tree):
+    inside = [task.id for per_run in tree["inside"].values() for task in per_run.values()]
+    return _snapshot(inside), _snapshot([t.id for t in tree["outside"].values()])
+
+
+def _expire(tree):
+    Run.objects.filter(id=tree["target"].id).update(deadline=datetime.now(UTC) - timedelta(seconds=1))
+    assert runs_sweep_deadlines() == 1
+
+
+END_SUBTREE = {
+    "cancel": lambda tree: run_cancel(run_id=tree["target"].id, project_id=tree["project"].id, reason="stop"),
+    "complete": lambda tree: run_complete(run_id=tree["target"].id, project_id=tree["project"].id),
+    "deadline": _expire,
+}
+
+
+@pytest.mark.parametrize(
+    ("how", "state", "event_type", "data"),
+    [
+        ("cancel", "CANCELLED", "task.cancelled", {"reason": "stop", "cause": "run_cancelled"}),
+        ("complete", "CANCELLED", "task.cancelled", {"reason": None, "cause": "run_completed"}),
+        ("deadline", "EXPIRED", "task.expired", {"reason": "deadline", "cause": "run_deadline"}),
+    ],
+)
+def test_the_subtree_ends_exactly_its_unfinished_tasks(tree, how, state, event_type, data):
+    _end_and_check(tree, how, state=state, event_type=event_type, data=data)
+    other = "task.cancelled" if event_type == "task.expired" else "task.expired"
+    assert not Event.objects.filter(type=other).exists()
+
+
+def _end_and_check(tree, how, *, state, event_type, data):
+    """End the target run's subtree ``how``; check exactly its unfinished tasks ended, one event each."""
+    before_inside, before_outside = _before(tree)
+    END_SUBTREE[how](tree)
     inside = [task for per_run in tree["inside"].values() for task in per_run.values()]
     ended = [t.id for t in inside if before_inside[t.id]["state"] in TASK_UNFINISHED]
     kept = [t.id for t in inside if before_inside[t.id]["state"] not in TASK_UNFINISHED]
@@ -145,23 +179,14 @@ def _assert_subtree_ended(tree, *, state, event_type, data, before_inside, befor
     return events
 
 
-def _before(tree):
-    inside = [task.id for per_run in tree["inside"].values() for task in per_run.values()]
-    return _snapshot(inside), _snapshot([t.id for t in tree["outside"].values()])
-
-
-def test_cancel_ends_exactly_the_unfinished_work_of_the_subtree(tree, is_postgres):
-    before_inside, before_outside = _before(tree)
-    project, target = tree["project"], tree["target"]
-    run_cancel(run_id=target.id, project_id=project.id, reason="stop")
-
-    events = _assert_subtree_ended(
+def test_cancel_ends_the_queued_messages_waiting_barriers_and_armed_timers_too(tree, is_postgres):
+    target = tree["target"]
+    events = _end_and_check(
         tree,
+        "cancel",
         state="CANCELLED",
         event_type="task.cancelled",
         data={"reason": "stop", "cause": "run_cancelled"},
-        before_inside=before_inside,
-        before_outside=before_outside,
     )
     # All in the cancel's transaction: the same txid as run.cancelled (0 on SQLite).
     run_event = Event.objects.get(type="run.cancelled", subject_id=str(target.id))
@@ -195,34 +220,6 @@ def test_cancel_ends_exactly_the_unfinished_work_of_the_subtree(tree, is_postgre
     assert timer_event.data == {"cause": "run_cancelled", "reason": "stop"}
     if is_postgres:  # the one-statement steps date every event at the cascade's time
         assert timer_event.created_at == barrier_event.created_at == cancelled.created_at
-
-
-def test_complete_cancels_the_unfinished_tasks_with_cause_run_completed(tree):
-    before_inside, before_outside = _before(tree)
-    run_complete(run_id=tree["target"].id, project_id=tree["project"].id)
-    _assert_subtree_ended(
-        tree,
-        state="CANCELLED",
-        event_type="task.cancelled",
-        data={"reason": None, "cause": "run_completed"},
-        before_inside=before_inside,
-        before_outside=before_outside,
-    )
-
-
-def test_deadline_expires_the_unfinished_tasks(tree):
-    before_inside, before_outside = _before(tree)
-    Run.objects.filter(id=tree["target"].id).update(deadline=datetime.now(UTC) - timedelta(seconds=1))
-    assert runs_sweep_deadlines() == 1
-    _assert_subtree_ended(
-        tree,
-        state="EXPIRED",
-        event_type="task.expired",
-        data={"reason": "deadline", "cause": "run_deadline"},
-        before_inside=before_inside,
-        before_outside=before_outside,
-    )
-    assert not Event.objects.filter(type="task.cancelled", data__cause="run_deadline").exists()
 
 
 def _cancel_counting(children, tasks_per_child):
