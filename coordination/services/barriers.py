@@ -6,12 +6,12 @@ Lock order: the run chain, then the barrier row (house rule).
 import uuid
 from dataclasses import dataclass
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Barrier, BarrierArrival, Event, Run
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.states import BarrierState
@@ -114,6 +114,17 @@ def barrier_next_epoch(*, project_id: uuid.UUID, barrier_id: uuid.UUID) -> Barri
 
 def barriers_cancel_subtree(end: SubtreeEnd) -> None:
     """Cancel the subtree's waiting barriers (released ones keep their state)."""
+    if connection.vendor == "postgresql":  # one statement, see subtree_rows_end
+        subtree_rows_end(
+            end,
+            Barrier,
+            states=[BarrierState.WAITING],
+            final_state=BarrierState.CANCELLED,
+            event_type="barrier.cancelled",
+            data_sql="jsonb_build_object('epoch', epoch, 'cause', %(cause)s::text, 'reason', %(reason)s::text)",
+            returning="epoch",
+        )
+        return
     barriers = list(
         Barrier.objects.filter(run_path__startswith=end.path_prefix, state=BarrierState.WAITING)
         .order_by("id")

@@ -6,11 +6,14 @@ lock order (groups before tasks before barriers and timers), so the whole effect
 transaction as features arrive.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from django.db import connection, models
+
 from coordination.models import Run
+from coordination.services.events import event_insert_sql
 from coordination.states import RunState
 
 
@@ -72,3 +75,58 @@ def subtree_end(end: SubtreeEnd) -> None:
     """Apply every step to the subtree of ``end.run``, inside the caller's transaction."""
     for step in cascade_steps():
         step(end)
+
+
+# The data of the event of a task, message or timer the cascade ended: {"reason": ..., "cause": ...}.
+END_EVENT_DATA_SQL = "jsonb_build_object('reason', %(reason)s::text, 'cause', %(cause)s::text)"
+
+
+def subtree_rows_end(
+    end: SubtreeEnd,
+    model: type[models.Model],
+    *,
+    states: Iterable[str],
+    final_state: str,
+    event_type: str,
+    also_set: str = "",
+    data_sql: str = END_EVENT_DATA_SQL,
+    returning: str = "",
+) -> int:
+    """Move the subtree's rows of ``model`` from ``states`` to ``final_state``, one event each: one statement.
+
+    PostgreSQL only. The rows (``run_path`` under the run, ``state`` in ``states``) are locked
+    in id order (the lock order among rows of one table), updated and their events inserted
+    by the same data-modifying CTE, so the cost in round trips does not grow with the
+    subtree. ``also_set`` (more assignments) and ``data_sql`` may use the parameters ``now``,
+    ``reason`` and ``cause``; ``data_sql`` sees the updated rows (``id``, ``project_id``,
+    ``run_id``, ``run_path`` and the column named in ``returning``). Every event is dated
+    ``end.now``. Return how many rows ended.
+    """
+    table = model._meta.db_table
+    states = list(states)
+    # The state list is inlined as literals (they are our enum values) so the planner can
+    # match a partial index on them, e.g. ``task_unfinished_run_path`` (text_pattern_ops).
+    state_sql = ", ".join(f"%(state_{i})s" for i in range(len(states)))
+    # ARRAY(...) runs the locking subquery once, before the update, and the update then finds
+    # the rows by primary key: as a join, the planner may hash the ids and scan the whole table.
+    assignments = ", ".join(filter(None, ["state = %(final_state)s", also_set]))
+    extra = f", t.{returning}" if returning else ""
+    sql = (
+        f"WITH ended AS (UPDATE {table} AS t SET {assignments} "
+        f"WHERE t.id = ANY(ARRAY(SELECT id FROM {table} WHERE run_path LIKE %(prefix)s AND state IN ({state_sql}) "
+        "ORDER BY id FOR UPDATE)) "
+        f"RETURNING t.id, t.project_id, t.run_id, t.run_path{extra}) "
+        + event_insert_sql("ended", type_sql="%(event_type)s", data_sql=data_sql)
+    )
+    values = {
+        "prefix": connection.ops.prep_for_like_query(end.path_prefix) + "%",
+        "now": end.now,
+        "reason": end.reason,
+        "cause": end.cause,
+        "event_type": event_type,
+        "final_state": final_state,
+        **{f"state_{i}": state for i, state in enumerate(states)},
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(sql, values)
+        return cursor.rowcount

@@ -19,7 +19,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.ids import fence_id, parse_fence_id
 from coordination.models import Event, Mailbox, Message, Run
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
@@ -303,6 +303,16 @@ def messages_cancel_orphaned_in_flight(*, now: datetime | None = None, batch_siz
 
 def messages_cancel_subtree(end: SubtreeEnd) -> None:
     """Cancel the subtree's queued messages (in-flight ones finish through their delivery)."""
+    if connection.vendor == "postgresql":  # one statement, see subtree_rows_end
+        subtree_rows_end(
+            end,
+            Message,
+            states=[MessageState.QUEUED],
+            final_state=MessageState.CANCELLED,
+            event_type="message.cancelled",
+            also_set="finished_at = %(now)s",
+        )
+        return
     cause = end.cause
     rows = list(
         Message.objects.filter(Q(run_path__startswith=end.path_prefix), state=MessageState.QUEUED)

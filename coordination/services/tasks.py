@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, Mailbox, Run, Task, TaskGroup
 from coordination.services import dispatch, sql
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_refusal, run_chain_lock_active
@@ -444,9 +444,20 @@ def tasks_cancel_subtree(end: SubtreeEnd) -> None:
     """End every unfinished task of the subtree, running ones included, in id order.
 
     ``CANCELLED`` when the run was cancelled or completed, ``EXPIRED`` when its deadline passed.
+    On PostgreSQL one statement locks, ends and records them all, whatever their number.
     """
     final_state = TaskState.EXPIRED if end.by_deadline else TaskState.CANCELLED
     event_type = "task.expired" if end.by_deadline else "task.cancelled"
+    if connection.vendor == "postgresql":
+        subtree_rows_end(
+            end,
+            Task,
+            states=sorted(TASK_UNFINISHED),
+            final_state=final_state,
+            event_type=event_type,
+            also_set="finished_at = %(now)s, cancel_reason = %(reason)s, lease_expires_at = NULL, worker_id = ''",
+        )
+        return
     rows = list(
         Task.objects.filter(run_path__startswith=end.path_prefix, state__in=TASK_UNFINISHED)
         .order_by("id")

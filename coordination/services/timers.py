@@ -7,13 +7,13 @@ Firing is idempotent: the Celery task dispatched for the due time and the sweep 
 import uuid
 from datetime import datetime, timedelta
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, Timer
 from coordination.services import dispatch
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import run_chain_lock_active
 from coordination.states import TimerState
@@ -165,6 +165,11 @@ def timer_cancel(*, project_id: uuid.UUID, timer_id: uuid.UUID) -> Timer:
 
 def timers_cancel_subtree(end: SubtreeEnd) -> None:
     """Cancel the subtree's armed timers."""
+    if connection.vendor == "postgresql":  # one statement, see subtree_rows_end
+        subtree_rows_end(
+            end, Timer, states=[TimerState.ARMED], final_state=TimerState.CANCELLED, event_type="timer.cancelled"
+        )
+        return
     timers = list(
         Timer.objects.filter(run_path__startswith=end.path_prefix, state=TimerState.ARMED)
         .order_by("id")
