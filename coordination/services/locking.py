@@ -33,7 +33,7 @@ class LockMode(enum.Enum):
 # run gives an empty chain, so it fails too). ``chain_refusal`` says why, on the careful path.
 CHAIN_KEY_SHARE_CTE = """
 chain AS (
-    SELECT r.stored_state, r.deadline
+    SELECT r.stored_state, r.deadline, r.path
     FROM coordination_run r
     WHERE r.id = ANY (string_to_array(rtrim(
         (SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s), '/'), '/')::uuid[])

@@ -84,7 +84,7 @@ def task_submit(
     if fast_paths_enabled():
         task = _new_task(project_id, mailbox, run_id, spec, now)
         wake = dispatch.work_accept(task, mailbox)
-        if _insert_tasks(SUBMIT_SQL, mailbox, run_id, [task], now):
+        if _insert_one(task, mailbox, now):
             if wake is not None:
                 transaction.on_commit(wake)
             return task, True
@@ -145,13 +145,13 @@ def tasks_submit_many(
                     )
                 )
         return answers
-    run_chain_lock_active(run_id, project_id=project_id)
+    chain = run_chain_lock_active(run_id, project_id=project_id)
     tasks = [_new_task(project_id, mailbox, run_id, spec, now) for spec in items]
     wakes = []
     for index, task in enumerate(tasks):
         with _item(index):
             wakes.append(dispatch.work_accept(task, mailbox))
-    inserted = _insert_tasks(SUBMIT_MANY_SQL, mailbox, run_id, tasks, now)
+    inserted = _insert_many(tasks, mailbox, chain, now)
     answers = []
     for index, (task, wake) in enumerate(zip(tasks, wakes, strict=True)):
         if task.id in inserted:
@@ -206,43 +206,47 @@ def _new_task(project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: 
     )
 
 
-# The insert of the submit fast path (single) and of a batch whose chain is already locked.
+# The insert of the submit fast path (one task) and of a batch whose chain is already locked.
 # The single form locks the run chain FOR KEY SHARE, root first, in the statement itself, and
 # inserts only when the chain is active and the run has no group gated on this mailbox (a
 # gated submit joins the group: careful path). Keys resolve through ON CONFLICT DO NOTHING:
 # a task not inserted is answered by the careful path (idempotent resubmit or KEY_CONFLICT).
+# The single form takes scalars, not arrays: PostgreSQL then finds its generic plan as cheap
+# as a custom one and stops planning it on every call (an unnest of arrays it cannot size
+# keeps it on custom plans, half of the statement's server time).
 _SUBMIT_CHAIN = f"""{CHAIN_KEY_SHARE_CTE}, gate AS (
     SELECT {CHAIN_ACTIVE_SQL}
         AND NOT EXISTS (
             SELECT 1 FROM coordination_taskgroup g WHERE g.scope_id = %(run_id)s AND g.mailbox_id = %(mailbox_id)s
-        ) AS open
+        ) AS open,
+        min(deadline) AS run_deadline,
+        max(path) AS run_path  -- the deepest: every ancestor's path is a prefix of it
     FROM chain
-),"""
+), items AS (
+    SELECT %(id)s::uuid AS id, %(input)s::text AS input, %(key)s::text AS key, %(priority)s::int AS priority,
+        %(max_attempts)s::int AS max_attempts, %(expires_at)s::timestamptz AS expires_at, 1 AS n
+)"""
 _SUBMIT_LOCKED = """
-gate AS (SELECT TRUE AS open),"""
-
-
-def _submit_sql(prelude: str) -> str:
-    return f"""
-WITH {prelude} run AS (
-    SELECT r.path, (
-        SELECT min(a.deadline) FROM coordination_run a
-        WHERE a.id = ANY (string_to_array(rtrim(r.path, '/'), '/')::uuid[])
-    ) AS deadline
-    FROM coordination_run r WHERE r.id = %(run_id)s AND r.project_id = %(project_id)s
+gate AS (
+    SELECT TRUE AS open, %(run_deadline)s::timestamptz AS run_deadline, %(run_path)s::text AS run_path
 ), items AS (
     SELECT * FROM unnest(
         %(ids)s::uuid[], %(inputs)s::text[], %(keys)s::text[], %(priorities)s::int[],
         %(max_attempts)s::int[], %(expires_at)s::timestamptz[]
     ) WITH ORDINALITY AS i(id, input, key, priority, max_attempts, expires_at, n)
-), done AS (
+)"""
+
+
+def _submit_sql(prelude: str) -> str:
+    return f"""
+WITH {prelude}, done AS (
     INSERT INTO coordination_task (
         id, project_id, mailbox_id, run_id, run_path, run_deadline, key, input, state, attempts,
         max_attempts, priority, created_at, available_at, expires_at, worker_id
     )
-    SELECT i.id, %(project_id)s, %(mailbox_id)s, %(run_id)s, run.path, run.deadline, i.key, i.input::jsonb,
+    SELECT i.id, %(project_id)s, %(mailbox_id)s, %(run_id)s, gate.run_path, gate.run_deadline, i.key, i.input::jsonb,
         'QUEUED', 0, i.max_attempts, i.priority, %(now)s, %(now)s, i.expires_at, ''
-    FROM items i, run, gate
+    FROM items i, gate
     WHERE gate.open
     ORDER BY i.n
     ON CONFLICT (mailbox_id, run_id, key) WHERE key IS NOT NULL DO NOTHING
@@ -264,16 +268,36 @@ SUBMIT_SQL = _submit_sql(_SUBMIT_CHAIN)
 SUBMIT_MANY_SQL = _submit_sql(_SUBMIT_LOCKED)
 
 
-def _insert_tasks(statement: str, mailbox: Mailbox, run_id: uuid.UUID, tasks: list[Task], now: datetime) -> set:
-    """Insert ``tasks`` with their events in one statement; fill in their run fields; return the inserted ids."""
+def _insert_one(task: Task, mailbox: Mailbox, now: datetime) -> bool:
+    """Run ``SUBMIT_SQL`` for ``task``; fill in its run fields; return whether it was inserted."""
     rows = sql.fetch(
-        statement,
+        SUBMIT_SQL,
         {
-            "project_id": tasks[0].project_id,
-            "mailbox_id": mailbox.id,
-            "mailbox_name": mailbox.name,
-            "run_id": run_id,
-            "now": now,
+            **_common_params(task, mailbox, now),
+            "id": task.id,
+            "input": json.dumps(task.input),
+            "key": task.key,
+            "priority": task.priority,
+            "max_attempts": task.max_attempts,
+            "expires_at": task.expires_at,
+        },
+    )
+    if not rows:
+        return False
+    _, task.run_path, task.run_deadline = rows[0]
+    return True
+
+
+def _insert_many(tasks: list[Task], mailbox: Mailbox, chain: list[Run], now: datetime) -> set[uuid.UUID]:
+    """Run ``SUBMIT_MANY_SQL`` under ``chain``'s locks; fill in the run fields; return the inserted ids."""
+    run = chain[-1]
+    run_deadline = min((r.deadline for r in chain if r.deadline is not None), default=None)
+    rows = sql.fetch(
+        SUBMIT_MANY_SQL,
+        {
+            **_common_params(tasks[0], mailbox, now),
+            "run_path": run.path,
+            "run_deadline": run_deadline,
             "ids": [task.id for task in tasks],
             "inputs": [json.dumps(task.input) for task in tasks],
             "keys": [task.key for task in tasks],
@@ -282,11 +306,19 @@ def _insert_tasks(statement: str, mailbox: Mailbox, run_id: uuid.UUID, tasks: li
             "expires_at": [task.expires_at for task in tasks],
         },
     )
-    by_id = {task.id: task for task in tasks}
-    for task_id, run_path, run_deadline in rows:
-        by_id[task_id].run_path = run_path
-        by_id[task_id].run_deadline = run_deadline
+    for task in tasks:
+        task.run_path, task.run_deadline = run.path, run_deadline
     return {row[0] for row in rows}
+
+
+def _common_params(task: Task, mailbox: Mailbox, now: datetime) -> dict:
+    return {
+        "project_id": task.project_id,
+        "mailbox_id": mailbox.id,
+        "mailbox_name": mailbox.name,
+        "run_id": task.run_id,
+        "now": now,
+    }
 
 
 @transaction.atomic
