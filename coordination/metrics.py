@@ -42,6 +42,7 @@ from coordination.states import (
     TaskState,
     TimerState,
 )
+from coordination.task_errors import error_code
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -263,7 +264,7 @@ class EventFold:
                 self.finished[FINISHED_TYPES[event.type]] += 1
             if event.type == "task.requeued" and data.get("cause") == "lease_expired":
                 self.lease_expiries["requeued"] += 1
-            elif event.type == "task.failed" and (data.get("error") or {}).get("code") == "lease_expired":
+            elif event.type == "task.failed" and error_code(data.get("error")) == "lease_expired":
                 self.lease_expiries["failed"] += 1
             elif event.type == "task.cancelled" and data.get("cause") == "cancellation_finalized":
                 self.lease_expiries["cancelled"] += 1

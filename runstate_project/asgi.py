@@ -1,4 +1,4 @@
-"""ASGI entry point (uvicorn in development, gunicorn with uvicorn workers in production)."""
+"""ASGI entry point: uvicorn (``scripts/start``, production) and ``manage.py runserver`` (daphne) serve it."""
 
 import os
 

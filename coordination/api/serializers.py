@@ -212,6 +212,13 @@ class MailboxOut(serializers.Serializer):
     createdAt = serializers.DateTimeField()
 
 
+ERROR_HELP = (
+    "Why the task failed: any JSON value the worker sent to `fail` (an object, a string, a number, "
+    "a list or null), stored as given. The service's own failures are `{code, message}` objects "
+    "(`lease_expired`); a reader should look for a string `code` only in an object."
+)
+
+
 class TaskSubmitIn(StrictSerializer):
     """Body of ``POST /v1/mailboxes/{name}/tasks``."""
 
@@ -233,7 +240,7 @@ class TaskOut(serializers.Serializer):
     input = serializers.JSONField()
     state = serializers.ChoiceField(choices=TaskState.choices)
     outcome = serializers.JSONField(allow_null=True)
-    error = serializers.JSONField(allow_null=True)
+    error = serializers.JSONField(allow_null=True, help_text=ERROR_HELP)
     attempts = serializers.IntegerField()
     maxAttempts = serializers.IntegerField()
     priority = serializers.IntegerField()
@@ -301,7 +308,7 @@ class CompleteIn(StrictSerializer):
 class FailIn(StrictSerializer):
     """Body of ``POST /v1/claims/{id}/fail``."""
 
-    error = PayloadField(required=False, allow_null=True, default=None)
+    error = PayloadField(required=False, allow_null=True, default=None, help_text=ERROR_HELP)
     retry = serializers.BooleanField(required=False, default=False)
     retryDelayMs = serializers.IntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
 

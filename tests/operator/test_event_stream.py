@@ -6,13 +6,9 @@ httpx, as a client would.
 """
 
 import asyncio
-import json
-import queue
 import statistics
-import threading
 import time
 
-import httpx
 import pytest
 from django.test import AsyncClient, override_settings
 
@@ -24,7 +20,7 @@ from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.states import Permission
-from tests.operator.live import uvicorn_server
+from tests.operator.live import Reader, parse_frame, uvicorn_server
 
 # The stream reads through other connections: the data must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -66,20 +62,6 @@ class Frames:
 
     async def close(self) -> None:
         await self.chunks.aclose()
-
-
-def parse_frame(block: str) -> dict | None:
-    """Parse one SSE frame; None for a bare ``retry``."""
-    frame: dict = {}
-    for line in block.split("\n"):
-        if line.startswith(":"):
-            return {"comment": line[1:].strip()}
-        field, _, value = line.partition(": ")
-        if field == "data":
-            frame["data"] = json.loads(value)
-        elif field in ("id", "event"):
-            frame[field] = value
-    return frame if "event" in frame else None
 
 
 def key_of(project, permissions=(Permission.COORDINATION_READ,), **kwargs) -> str:
@@ -218,55 +200,6 @@ def test_the_schema_documents_the_stream_as_text_event_stream(anon):
 
 
 # Through a real uvicorn process ----------------------------------------------------------
-
-
-class Reader:
-    """Read an SSE stream in a thread with httpx, timestamping each frame on arrival."""
-
-    def __init__(self, url: str, key: str, last_event_id: str | None = None) -> None:
-        self.url, self.key, self.last_event_id = url, key, last_event_id
-        self.frames: queue.Queue = queue.Queue()
-        self.connected = threading.Event()
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        headers = {"Authorization": f"Bearer {self.key}"}
-        if self.last_event_id:
-            headers["Last-Event-ID"] = self.last_event_id
-        try:
-            with httpx.Client(timeout=httpx.Timeout(10, read=30)) as client:
-                with client.stream("GET", self.url, headers=headers) as response:
-                    assert response.status_code == 200, response.read()
-                    lines: list[str] = []
-                    for line in response.iter_lines():
-                        if self.stop.is_set():
-                            return
-                        if line:
-                            lines.append(line)
-                            continue
-                        block, lines = "\n".join(lines), []
-                        if block.startswith("retry:"):
-                            self.connected.set()  # the server has subscribed and chosen its start
-                        frame = parse_frame(block)
-                        if frame is not None and "event" in frame:
-                            self.frames.put((time.monotonic(), frame))
-        except BaseException as error:  # noqa: BLE001 - reported by next()
-            self.error = error
-        finally:
-            self.connected.set()
-
-    def next(self, timeout_s: float = 30.0) -> tuple[float, dict]:
-        try:
-            return self.frames.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"no frame within {timeout_s} s (reader error: {self.error!r})") from None
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
 
 
 @pytest.fixture
