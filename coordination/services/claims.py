@@ -435,7 +435,8 @@ items AS (
     SELECT * FROM unnest(%(task_ids)s::uuid[], %(attempts)s::int[], %(values)s::text[]) AS i(task_id, attempt, value)
 ), locked AS (
     SELECT t.id FROM coordination_task t JOIN items i ON i.task_id = t.id
-    WHERE t.project_id = %(project_id)s AND t.attempts = i.attempt
+    WHERE t.id = ANY (%(task_ids)s::uuid[])  -- found by primary key, whatever else the project holds
+      AND t.project_id = %(project_id)s AND t.attempts = i.attempt
       AND t.state IN ('RUNNING', 'CANCELLATION_REQUESTED') AND t.group_id IS NULL
       AND t.lease_expires_at > %(now)s
       AND (t.cancel_grace_until IS NULL OR t.cancel_grace_until > %(now)s)
