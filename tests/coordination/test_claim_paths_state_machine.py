@@ -200,32 +200,20 @@ class PathsMachine(RuleBasedStateMachine):
         self.both(f"renew #{ref}", lambda w: dict(fn=claim_renew, lease_ttl_ms=ttl, **kwargs(w)))
 
     @precondition(lambda self: self.claims)
-    @rule(refs=st.lists(st.integers(0, 6), min_size=1, max_size=4, unique=True))
-    def complete_many(self, refs):
+    @rule(
+        refs=st.lists(st.integers(0, 6), min_size=1, max_size=4, unique=True),
+        batch=st.sampled_from(["complete_many", "renew_many"]),
+    )
+    def many(self, refs, batch):
+        """A batch of recent claims, stale ones included; ``both`` compares the answers item by item."""
         picked = list(dict.fromkeys(self.claims[-1 - r % len(self.claims)] for r in refs))
+        fn, value = (claims_complete_many, {"n": 1}) if batch == "complete_many" else (claims_renew_many, None)
 
         def kwargs(w):
-            items = [(claim_id(w.task_ids[index], attempt), {"n": index}) for index, attempt in picked]
-            return dict(fn=claims_complete_many, project_id=w.project_id, items=items)
+            items = [(claim_id(w.task_ids[index], attempt), value) for index, attempt in picked]
+            return dict(fn=fn, project_id=w.project_id, items=items)
 
-        answers = self.both(f"complete_many {picked}", kwargs)
-        if answers[0][0] == "ok":
-            per_item = [[summary(("ok", item)) for item in a[1]] for a in answers]
-            assert per_item[0] == per_item[1], f"per-item answers differ: {per_item}"
-
-    @precondition(lambda self: self.claims)
-    @rule(refs=st.lists(st.integers(0, 6), min_size=1, max_size=4, unique=True))
-    def renew_many(self, refs):
-        picked = list(dict.fromkeys(self.claims[-1 - r % len(self.claims)] for r in refs))
-
-        def kwargs(w):
-            items = [(claim_id(w.task_ids[index], attempt), None) for index, attempt in picked]
-            return dict(fn=claims_renew_many, project_id=w.project_id, items=items)
-
-        answers = self.both(f"renew_many {picked}", kwargs)
-        if answers[0][0] == "ok":
-            per_item = [[summary(("ok", item)) for item in a[1]] for a in answers]
-            assert per_item[0] == per_item[1], f"per-item answers differ: {per_item}"
+        self.both(f"{batch} {picked}", kwargs)
 
     # Time and cancellation -------------------------------------------------------------
 
