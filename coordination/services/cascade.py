@@ -104,9 +104,12 @@ def subtree_rows_end(
     """
     table = model._meta.db_table
     states = list(states)
-    # The state list is inlined as literals (they are our enum values) so the planner can
-    # match a partial index on them, e.g. ``task_unfinished_run_path`` (text_pattern_ops).
-    state_sql = ", ".join(f"%(state_{i})s" for i in range(len(states)))
+    # The states are written into the SQL as literals (they are our enum values, checked
+    # here), so that even a generic plan of the prepared statement matches a partial index on
+    # them, e.g. ``task_unfinished_run_path`` (text_pattern_ops).
+    if not all(state.isidentifier() and state.isupper() for state in states):
+        raise ValueError(f"not a state name: {states}")
+    state_sql = ", ".join(f"'{state}'" for state in states)
     # ARRAY(...) runs the locking subquery once, before the update, and the update then finds
     # the rows by primary key: as a join, the planner may hash the ids and scan the whole table.
     assignments = ", ".join(filter(None, ["state = %(final_state)s", also_set]))
@@ -125,7 +128,6 @@ def subtree_rows_end(
         "cause": end.cause,
         "event_type": event_type,
         "final_state": final_state,
-        **{f"state_{i}": state for i, state in enumerate(states)},
     }
     with connection.cursor() as cursor:
         cursor.execute(sql, values)
