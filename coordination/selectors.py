@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from coordination import exceptions
-from coordination.models import Barrier, Event, Message, Run, Task, TaskGroup, Timer
+from coordination.models import Barrier, Event, Mailbox, Message, Run, Task, TaskGroup, Timer
 from coordination.services.locking import chain_refusal
 from coordination.states import Effective, InactiveReason
 
@@ -229,6 +229,11 @@ def event_cursor_parse(cursor: str) -> None:
 
 
 # Work ------------------------------------------------------------------------------------
+
+
+def mailbox_names(tasks: Iterable[Task]) -> dict[uuid.UUID, str]:
+    """Return the names of the mailboxes of ``tasks``, by id, in one query."""
+    return dict(Mailbox.objects.filter(id__in={task.mailbox_id for task in tasks}).values_list("id", "name"))
 
 
 def task_get(visibility: Visibility, task_id: object) -> Task:

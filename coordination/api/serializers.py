@@ -5,6 +5,7 @@ import json
 from django.conf import settings
 from rest_framework import serializers
 
+from coordination.services.tasks import MAX_SUBMIT_BATCH
 from coordination.states import (
     BarrierState,
     Effective,
@@ -219,15 +220,30 @@ ERROR_HELP = (
 )
 
 
-class TaskSubmitIn(StrictSerializer):
-    """Body of ``POST /v1/mailboxes/{name}/tasks``."""
+class TaskSpecIn(StrictSerializer):
+    """One task of ``POST /v1/mailboxes/{name}/tasks/batch``."""
 
-    runId = serializers.CharField(max_length=100)
     input = PayloadField(required=False, default=dict)
     key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
     priority = serializers.IntegerField(required=False, min_value=-1_000_000, max_value=1_000_000, default=0)
     maxAttempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
     expiresAt = serializers.DateTimeField(required=False, allow_null=True, default=None)
+
+
+class TaskSubmitIn(TaskSpecIn):
+    """Body of ``POST /v1/mailboxes/{name}/tasks``."""
+
+    runId = serializers.CharField(max_length=100)
+
+
+MAX_CLAIM_BATCH = 500  # per HTTP call; the service itself takes up to claims.MAX_BATCH
+
+
+class TaskBatchIn(StrictSerializer):
+    """Body of ``POST /v1/mailboxes/{name}/tasks/batch``: all of them or none."""
+
+    runId = serializers.CharField(max_length=100)
+    tasks = TaskSpecIn(many=True, min_length=1, max_length=MAX_SUBMIT_BATCH)
 
 
 class TaskOut(serializers.Serializer):
@@ -291,6 +307,75 @@ class ClaimsOut(serializers.Serializer):
     """Claims handed out by one call (possibly none)."""
 
     claims = ClaimOut(many=True)
+
+
+class TasksOut(serializers.Serializer):
+    """Tasks, in the order of the request."""
+
+    tasks = TaskOut(many=True)
+
+
+class ClaimCompleteItemIn(StrictSerializer):
+    """One item of ``POST /v1/claims/complete``."""
+
+    claimId = serializers.CharField(max_length=200)
+    outcome = PayloadField(required=False, allow_null=True, default=None)
+
+
+class ClaimsCompleteIn(StrictSerializer):
+    """Body of ``POST /v1/claims/complete``: each item is fenced and decided on its own."""
+
+    items = ClaimCompleteItemIn(many=True, min_length=1, max_length=MAX_CLAIM_BATCH)
+
+
+class ClaimRenewItemIn(StrictSerializer):
+    """One item of ``POST /v1/claims/renew``."""
+
+    claimId = serializers.CharField(max_length=200)
+    leaseTtlMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+
+
+class ClaimsRenewIn(StrictSerializer):
+    """Body of ``POST /v1/claims/renew``: each item is fenced and decided on its own."""
+
+    items = ClaimRenewItemIn(many=True, min_length=1, max_length=MAX_CLAIM_BATCH)
+
+
+class ItemErrorOut(serializers.Serializer):
+    """Why one item of a batch was refused: the code and message it would have had alone."""
+
+    code = serializers.CharField()
+    message = serializers.CharField()
+
+
+class ClaimCompleteResultOut(serializers.Serializer):
+    """One item's answer: ``ok`` with the task, or not ``ok`` with the error."""
+
+    claimId = serializers.CharField()
+    ok = serializers.BooleanField()
+    task = TaskOut(required=False)
+    error = ItemErrorOut(required=False)
+
+
+class ClaimsCompleteOut(serializers.Serializer):
+    """Per-item answers, in the order of the request."""
+
+    results = ClaimCompleteResultOut(many=True)
+
+
+class ClaimRenewResultOut(serializers.Serializer):
+    """One item's answer: ``ok`` with the renewed claim, or not ``ok`` with the error."""
+
+    claimId = serializers.CharField()
+    ok = serializers.BooleanField()
+    claim = ClaimOut(required=False)
+    error = ItemErrorOut(required=False)
+
+
+class ClaimsRenewOut(serializers.Serializer):
+    """Per-item answers, in the order of the request."""
+
+    results = ClaimRenewResultOut(many=True)
 
 
 class RenewIn(StrictSerializer):

@@ -60,8 +60,8 @@ class LocalWindows:
         self._lock = threading.Lock()
         self._windows: dict[str, tuple[float, int]] = {}
 
-    def hit(self, key: str, rate: Rate) -> tuple[int, float]:
-        """Count one request; return the window's count and the seconds until it ends."""
+    def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
+        """Count ``cost`` requests; return the window's count and the seconds until it ends."""
         now = time.monotonic()
         with self._lock:
             ends_at, count = self._windows.get(key, (0.0, 0))
@@ -69,7 +69,7 @@ class LocalWindows:
                 ends_at, count = now + rate.period_s, 0
                 if len(self._windows) > 100_000:  # forget ended windows now and then
                     self._windows = {k: v for k, v in self._windows.items() if v[0] > now}
-            count += 1
+            count += cost
             self._windows[key] = (ends_at, count)
         return count, ends_at - now
 
@@ -82,13 +82,13 @@ class RedisWindows:
 
         self._client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
 
-    def hit(self, key: str, rate: Rate) -> tuple[int, float]:
-        """Count one request; return the window's count and the seconds until it ends."""
+    def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
+        """Count ``cost`` requests; return the window's count and the seconds until it ends."""
         name = f"runstate:ratelimit:{key}:{rate.count}/{rate.period_s}"
         pipe = self._client.pipeline(transaction=True)
         # SET NX starts the window with its expiry; INCR keeps the expiry.
         pipe.set(name, 0, ex=rate.period_s, nx=True)
-        pipe.incr(name)
+        pipe.incrby(name, cost)
         pipe.pttl(name)
         _, count, ttl_ms = pipe.execute()
         return int(count), max(ttl_ms, 0) / 1000
@@ -113,23 +113,35 @@ class Limiter:
             self._redis, self._redis_url = RedisWindows(url), url
         return self._redis
 
-    def hit(self, key: str, rate: Rate) -> tuple[int, float]:
-        """Count one request of ``key``; return the window's count and seconds until it ends."""
+    def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
+        """Count ``cost`` requests of ``key``; return the window's count and seconds until it ends."""
         shared = self._shared()
         if shared is not None:
             try:
-                return shared.hit(key, rate)
+                return shared.hit(key, rate, cost)
             except Exception:  # noqa: BLE001 - any Redis failure: count locally for a while
                 logger.warning("rate limit: Redis unavailable, counting in-process", exc_info=True)
                 self._redis_down_until = time.monotonic() + REDIS_BACKOFF_S
-        return self.local.hit(key, rate)
+        return self.local.hit(key, rate, cost)
 
 
 limiter = Limiter()
 
 
+def request_cost(request, view) -> int:
+    """How many requests a call counts as: the items of a batch view (``batch_field``), else one."""
+    field = getattr(view, "batch_field", None)
+    if field is None:
+        return 1
+    # Reading the body here parses it once (DRF caches it); a body that does not parse is
+    # answered 400 from here, as the view would.
+    data = request.data
+    items = data.get(field) if isinstance(data, dict) else None
+    return max(1, len(items)) if isinstance(items, list) else 1
+
+
 class ApiKeyRateThrottle(BaseThrottle):
-    """Limit each API key to ``RUNSTATE_RATE_LIMIT`` requests per window."""
+    """Limit each API key to ``RUNSTATE_RATE_LIMIT`` requests per window; a batch counts its items."""
 
     def __init__(self) -> None:
         self._wait: float | None = None
@@ -142,7 +154,7 @@ class ApiKeyRateThrottle(BaseThrottle):
         rate = parse_rate(settings.RUNSTATE_RATE_LIMIT)
         if rate is None:
             return True
-        count, remaining_s = limiter.hit(str(api_key.id), rate)
+        count, remaining_s = limiter.hit(str(api_key.id), rate, request_cost(request, view))
         if count <= rate.count:
             return True
         self._wait = max(1, math.ceil(remaining_s))

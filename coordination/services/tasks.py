@@ -114,24 +114,25 @@ def task_submit(
 
 @transaction.atomic
 def tasks_submit_many(
-    *, project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, items: list[TaskSpec]
+    *, project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, items: list[TaskSpec], label: str = "items"
 ) -> list[tuple[Task, bool]]:
     """Submit up to ``MAX_SUBMIT_BATCH`` tasks in one transaction, all or nothing; answer each as ``task_submit``.
 
-    One invalid item refuses the whole batch (``VALIDATION_ERROR`` naming ``items[i]``), and
-    so does one key used before with another input (``KEY_CONFLICT``). On PostgreSQL the
-    chain is locked once and the tasks and their events are inserted by one statement
-    (``unnest`` arrays, keys through ``ON CONFLICT``).
+    One invalid item refuses the whole batch (``VALIDATION_ERROR`` whose details name the item,
+    ``<label>.<index>.<field>``, and give its ``index``), and so does one key used before with
+    another input (``KEY_CONFLICT``). On PostgreSQL the chain is locked once and the tasks and
+    their events are inserted by one statement (``unnest`` arrays, keys through ``ON CONFLICT``).
     """
     if not 1 <= len(items) <= MAX_SUBMIT_BATCH:
-        raise exceptions.ValidationFailed("Invalid batch.", items=f"must hold between 1 and {MAX_SUBMIT_BATCH} tasks")
+        limit = f"must hold between 1 and {MAX_SUBMIT_BATCH} tasks"
+        raise exceptions.ValidationFailed("Invalid batch.", **{label: limit})
     now = timezone.now()
-    _validate_submit(mailbox, items, now)
+    _validate_submit(mailbox, items, now, label)
     gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).exists()
     if not fast_paths_enabled() or gated:
         answers = []
         for index, spec in enumerate(items):
-            with _item(index):
+            with _item(label, index):
                 answers.append(
                     task_submit(
                         project_id=project_id,
@@ -149,7 +150,7 @@ def tasks_submit_many(
     tasks = [_new_task(project_id, mailbox, run_id, spec, now) for spec in items]
     wakes = []
     for index, task in enumerate(tasks):
-        with _item(index):
+        with _item(label, index):
             wakes.append(dispatch.work_accept(task, mailbox))
     inserted = _insert_many(tasks, mailbox, chain, now)
     answers = []
@@ -160,7 +161,7 @@ def tasks_submit_many(
             answers.append((task, True))
             continue
         # Not inserted: its key was taken, by an earlier submit or an earlier item of this batch.
-        with _item(index):
+        with _item(label, index):
             existing = _task_with_key(mailbox, run_id, task.key, task.input) if task.key is not None else None
         if existing is None:
             raise AssertionError(f"task {index} of a batch was neither inserted nor found by its key")
@@ -168,25 +169,25 @@ def tasks_submit_many(
     return answers
 
 
-def _validate_submit(mailbox: Mailbox, items: list[TaskSpec], now: datetime) -> None:
+def _validate_submit(mailbox: Mailbox, items: list[TaskSpec], now: datetime, label: str = "items") -> None:
     if mailbox.mode != MailboxMode.WORK:
         raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds messages, not tasks.")
     for index, spec in enumerate(items):
-        with _item(index if len(items) > 1 else None):
+        with _item(label, index if len(items) > 1 else None):
             validate_max_attempts(spec.max_attempts)
             if spec.expires_at is not None and spec.expires_at <= now:
                 raise exceptions.ValidationFailed("Invalid task.", expiresAt="must be in the future")
 
 
 @contextmanager
-def _item(index: int | None):
-    """Name the batch item a ``ValidationFailed`` or ``KeyConflict`` is about (``items[3].maxAttempts``)."""
+def _item(label: str, index: int | None):
+    """Name the batch item a ``ValidationFailed`` or ``KeyConflict`` is about (``items.3.maxAttempts``)."""
     try:
         yield
     except (exceptions.ValidationFailed, exceptions.KeyConflict) as error:
         if index is None:
             raise
-        details = {f"items[{index}].{name}": value for name, value in error.details.items()}
+        details = {f"{label}.{index}.{name}": value for name, value in error.details.items()}
         raise type(error)(f"Item {index}: {error.message}", index=index, **details) from None
 
 

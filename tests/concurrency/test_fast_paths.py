@@ -254,7 +254,7 @@ def test_submit_many_is_idempotent_by_key_and_refuses_a_conflict_whole(world):
             run_id=run.id,
             items=[TaskSpec(input={}), TaskSpec(input={}, max_attempts=0)],
         )
-    assert invalid.value.details["index"] == 1 and "items[1].maxAttempts" in invalid.value.details
+    assert invalid.value.details["index"] == 1 and "items.1.maxAttempts" in invalid.value.details
     assert Task.objects.filter(run=run).count() == before
     assert Event.objects.filter(run_id=run.id, type="task.submitted").count() == before
 

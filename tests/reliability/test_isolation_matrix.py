@@ -101,6 +101,7 @@ def cases(a, b):
         ("deliveries_receive", "post", "/v1/mailboxes/q/deliveries", {"runId": b["run"]}),
         ("messages_send", "post", "/v1/mailboxes/q/messages", {"runId": b["run"], "body": {}}),
         ("tasks_submit", "post", "/v1/mailboxes/jobs/tasks", {"runId": b["run"], "input": {}}),
+        ("tasks_submit_batch", "post", "/v1/mailboxes/jobs/tasks/batch", {"runId": b["run"], "tasks": [{}]}),
         ("messages_retrieve", "get", f"/v1/messages/{b['message']}", None),
         ("runs_list", "get", f"/v1/runs?parentId={b['run']}", None),
         ("runs_create", "post", "/v1/runs", {"parentId": b["run"]}),
@@ -116,6 +117,22 @@ def cases(a, b):
         ("timers_cancel", "post", f"/v1/timers/{b['timer']}/cancel", {}),
         ("timers_wait", "post", f"/v1/timers/{b['timer']}/wait?timeoutMs=0", {}),
     ]
+
+
+def per_item_cases(b):
+    """Batch operations on claims answer 200 with a per-item ``NOT_FOUND`` for a claim not theirs."""
+    return [
+        ("claims_complete_batch", "/v1/claims/complete", {"items": [{"claimId": b["claim"], "outcome": 1}]}),
+        ("claims_renew_batch", "/v1/claims/renew", {"items": [{"claimId": b["claim"]}]}),
+    ]
+
+
+def assert_per_item_not_found(client, b):
+    for operation, path, body in per_item_cases(b):
+        response = client.post(path, body, format="json")
+        assert response.status_code == 200, (operation, response.status_code, response.content[:300])
+        (result,) = response.json()["results"]
+        assert result["ok"] is False and result["error"]["code"] == "NOT_FOUND", (operation, result)
 
 
 def schema_operations(client):
@@ -142,13 +159,14 @@ def snapshot(project_id):
 
 def test_every_operation_answers_404_for_another_projects_ids(api, a, b, other_project):
     matrix = cases(a, b)
-    covered = {operation for operation, *_ in matrix}
+    covered = {operation for operation, *_ in matrix} | {operation for operation, *_ in per_item_cases(b)}
     assert covered | set(NO_FOREIGN_IDS) == schema_operations(api), "the isolation matrix is out of date"
     before = snapshot(other_project.id)
     for operation, method, path, body in matrix:
         response = getattr(api, method)(path, body, format="json") if body is not None else api.get(path)
         assert response.status_code == 404, (operation, response.status_code, response.content[:300])
         assert response.json()["error"]["code"] == "NOT_FOUND", operation
+    assert_per_item_not_found(api, b)
     assert snapshot(other_project.id) == before, "a refused call changed another project's objects"
 
 
@@ -193,3 +211,5 @@ def test_a_key_bound_to_a_run_gets_404_outside_its_subtree(project, a, b):
             continue
         response = getattr(bound, method)(path, body, format="json") if body is not None else bound.get(path)
         assert response.status_code == 404, (operation, response.status_code, response.content[:300])
+    assert_per_item_not_found(bound, outside)
+    assert Task.objects.get(id=claim.task.id).state == "RUNNING", "a claim outside the bound key's subtree changed"

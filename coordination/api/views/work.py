@@ -71,6 +71,53 @@ class TaskSubmitView(ApiView):
         return Response(present_task(task, mailbox.name), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
 
 
+class TaskBatchSubmitView(ApiView):
+    """Submit many tasks to a WORK mailbox in one transaction."""
+
+    batch_field = "tasks"  # the rate limit counts its items
+
+    @extend_schema(
+        operation_id="tasks_submit_batch",
+        request=s.TaskBatchIn,
+        responses=with_errors(
+            {
+                201: s.TasksOut,
+                200: OpenApiResponse(s.TasksOut, description="every task was an idempotent resubmit"),
+            }
+        ),
+    )
+    def post(self, request, name):
+        """Submit up to 1,000 tasks under ``runId``, all or none; answered in request order.
+
+        201 when at least one task was created, 200 when every item was an idempotent resubmit
+        (same ``key``, same input). One invalid item, or a ``key`` used before with another
+        input, refuses the whole batch and writes nothing: ``details`` name the item
+        (``tasks.<index>.<field>``, and ``index``). A run that refuses work refuses the batch.
+        """
+        data = self.body(s.TaskBatchIn)
+        mailbox = mailbox_get(project_id=self.project_id, name=name, mode=MailboxMode.WORK)
+        run = selectors.run_get(self.visibility, data["runId"])
+        answers = task_services.tasks_submit_many(
+            project_id=self.project_id,
+            mailbox=mailbox,
+            run_id=run.id,
+            label="tasks",
+            items=[
+                task_services.TaskSpec(
+                    input=item["input"],
+                    key=item["key"],
+                    priority=item["priority"],
+                    max_attempts=item.get("maxAttempts"),
+                    expires_at=item["expiresAt"],
+                )
+                for item in data["tasks"]
+            ],
+        )
+        created = any(was_created for _, was_created in answers)
+        body = {"tasks": [present_task(task, mailbox.name) for task, _ in answers]}
+        return Response(body, status=201 if created else 200)
+
+
 class TaskDetailView(ApiView):
     """Read a task."""
 
@@ -157,6 +204,92 @@ class ClaimView(ApiView):
             except exceptions.NotFound:
                 raise exceptions.NotFound("Claim not found.", claimId=claim_id) from None
         return claim_id
+
+
+class ClaimBatchView(ClaimView):
+    """A batch of claim operations: each item fenced and answered on its own, like SQS batch calls."""
+
+    batch_field = "items"  # the rate limit counts its items
+
+    def per_item(self, items: list[dict], call) -> list[tuple[str, object]]:
+        """Answer each item: ``call`` on the visible ones (in one batch), ``NOT_FOUND`` for the rest."""
+        answers: list[object] = [None] * len(items)
+        visible = []
+        for index, item in enumerate(items):
+            try:
+                visible.append((index, self.visible_claim_id(item["claimId"])))
+            except exceptions.NotFound as error:
+                answers[index] = error
+        if visible:
+            for (index, _), answer in zip(visible, call([items[i] for i, _ in visible]), strict=True):
+                answers[index] = answer
+        return [(item["claimId"], answer) for item, answer in zip(items, answers, strict=True)]
+
+    @staticmethod
+    def refused(claim_id: str, error: exceptions.CoordinationError) -> dict:
+        return {"claimId": claim_id, "ok": False, "error": {"code": error.code, "message": error.message}}
+
+
+class ClaimBatchCompleteView(ClaimBatchView):
+    """Complete many claims."""
+
+    @extend_schema(
+        operation_id="claims_complete_batch",
+        request=s.ClaimsCompleteIn,
+        responses=with_errors({200: s.ClaimsCompleteOut}),
+    )
+    def post(self, request):
+        """Complete up to 500 claims; ``results`` answer each item in order, ``ok`` or its own error."""
+        data = self.body(s.ClaimsCompleteIn)
+        answers = self.per_item(
+            data["items"],
+            lambda items: claim_services.claims_complete_many(
+                project_id=self.project_id, items=[(item["claimId"], item["outcome"]) for item in items]
+            ),
+        )
+        names = selectors.mailbox_names([answer for _, answer in answers if not isinstance(answer, Exception)])
+        return Response(
+            {
+                "results": [
+                    self.refused(claim_id, answer)
+                    if isinstance(answer, exceptions.CoordinationError)
+                    else {"claimId": claim_id, "ok": True, "task": present_task(answer, names[answer.mailbox_id])}
+                    for claim_id, answer in answers
+                ]
+            }
+        )
+
+
+class ClaimBatchRenewView(ClaimBatchView):
+    """Renew many claims."""
+
+    @extend_schema(
+        operation_id="claims_renew_batch", request=s.ClaimsRenewIn, responses=with_errors({200: s.ClaimsRenewOut})
+    )
+    def post(self, request):
+        """Renew up to 500 claims; ``results`` answer each item in order, ``ok`` or its own error."""
+        data = self.body(s.ClaimsRenewIn)
+        answers = self.per_item(
+            data["items"],
+            lambda items: claim_services.claims_renew_many(
+                project_id=self.project_id, items=[(item["claimId"], item.get("leaseTtlMs")) for item in items]
+            ),
+        )
+        names = selectors.mailbox_names([answer.task for _, answer in answers if not isinstance(answer, Exception)])
+        return Response(
+            {
+                "results": [
+                    self.refused(claim_id, answer)
+                    if isinstance(answer, exceptions.CoordinationError)
+                    else {
+                        "claimId": claim_id,
+                        "ok": True,
+                        "claim": present_claim(answer, names[answer.task.mailbox_id]),
+                    }
+                    for claim_id, answer in answers
+                ]
+            }
+        )
 
 
 class ClaimRenewView(ClaimView):
