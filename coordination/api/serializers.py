@@ -236,6 +236,19 @@ class TaskSubmitIn(TaskSpecIn):
     runId = serializers.CharField(max_length=100)
 
 
+class StrictCharField(serializers.CharField):
+    """A string that must arrive as a JSON string (DRF's CharField turns ``0`` into ``"0"``).
+
+    Where a wrong id answers 200 with a per-item error instead of 404, a number in its place
+    must be a 400, as the schema says.
+    """
+
+    def to_internal_value(self, data):  # noqa: D102
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 MAX_CLAIM_BATCH = 500  # per HTTP call; the service itself takes up to claims.MAX_BATCH
 
 
@@ -318,7 +331,7 @@ class TasksOut(serializers.Serializer):
 class ClaimCompleteItemIn(StrictSerializer):
     """One item of ``POST /v1/claims/complete``."""
 
-    claimId = serializers.CharField(max_length=200)
+    claimId = StrictCharField(max_length=200)
     outcome = PayloadField(required=False, allow_null=True, default=None)
 
 
@@ -331,7 +344,7 @@ class ClaimsCompleteIn(StrictSerializer):
 class ClaimRenewItemIn(StrictSerializer):
     """One item of ``POST /v1/claims/renew``."""
 
-    claimId = serializers.CharField(max_length=200)
+    claimId = StrictCharField(max_length=200)
     leaseTtlMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
 
 
