@@ -16,6 +16,7 @@ from runstate._async.consume import AsyncHandler, AsyncWorker
 from runstate._async.groups import AsyncGroup, AsyncGroups
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
+from runstate._batch import ClaimResult, TaskItem
 from runstate._config import SDK_VERSION, ClientConfig, JsonDict
 from runstate._errors import (
     AuthenticationError,
@@ -68,6 +69,7 @@ __all__ = [
     "Barrier",
     "Barriers",
     "Claim",
+    "ClaimResult",
     "ClientConfig",
     "ConflictError",
     "ConsumeSummary",
@@ -94,6 +96,7 @@ __all__ = [
     "ServerError",
     "ServiceUnavailableError",
     "TaskContext",
+    "TaskItem",
     "Tasks",
     "Ticket",
     "Timer",

@@ -149,12 +149,36 @@ def retry_after_seconds(response: httpx.Response) -> float | None:
         return None
 
 
-def error_from_response(response: httpx.Response) -> RunstateError:
-    """Build the exception that represents an error answer (status >= 400).
+def error_class(code: str, status: int | None) -> type[RunstateError]:
+    """Return the class of an error ``code`` answered with ``status``.
 
     A 409 picks its class by code (``ConflictError`` for a code it does not know); any other
-    answer by its code when the code is known, else by its status.
+    answer by its code when the code is known, else by its status. ``status`` is ``None`` for
+    one item of a batch answer (the call itself answered 200): the code alone decides.
     """
+    if status == 409 or (status is None and code in CONFLICT_CLASSES):
+        return CONFLICT_CLASSES.get(code, ConflictError)
+    if code in CODE_CLASSES:
+        return CODE_CLASSES[code]
+    if status is None:
+        return RunstateError
+    if status in STATUS_CLASSES:
+        return STATUS_CLASSES[status]
+    return ServerError if status >= 500 else RunstateError
+
+
+def error_from_item(error: dict[str, Any]) -> RunstateError:
+    """Build the exception for one refused item of a batch answer (``{code, message}``).
+
+    It is the class the item would have raised alone; ``status_code`` is ``None``.
+    """
+    code = str(error.get("code") or "ERROR")
+    message = str(error.get("message") or code)
+    return error_class(code, None)(message, code=code)
+
+
+def error_from_response(response: httpx.Response) -> RunstateError:
+    """Build the exception that represents an error answer (status >= 400); see ``error_class``."""
     status = response.status_code
     code, message, details = f"HTTP_{status}", response.reason_phrase or f"HTTP {status}", {}
     try:
@@ -167,17 +191,7 @@ def error_from_response(response: httpx.Response) -> RunstateError:
         message = str(error.get("message") or message)
         if isinstance(error.get("details"), dict):
             details = error["details"]
-    if status == 409:
-        cls: type[RunstateError] = CONFLICT_CLASSES.get(code, ConflictError)
-    elif code in CODE_CLASSES:
-        cls = CODE_CLASSES[code]
-    elif status in STATUS_CLASSES:
-        cls = STATUS_CLASSES[status]
-    elif status >= 500:
-        cls = ServerError
-    else:
-        cls = RunstateError
-    exc = cls(message, code=code, status_code=status, details=details)
+    exc = error_class(code, status)(message, code=code, status_code=status, details=details)
     if isinstance(exc, RateLimitedError):
         exc.retry_after = retry_after_seconds(response)
     return exc

@@ -1,10 +1,22 @@
 """Tasks, claims and queue messages: tickets, claim and delivery handles, run-bound namespaces."""
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
 from runstate._async.http import AsyncHttp
-from runstate._config import JsonDict, compact, parse_time, segment, wire_time
+from runstate._batch import (
+    MAX_CLAIM_BATCH,
+    MAX_SUBMIT_BATCH,
+    ClaimResult,
+    TaskItem,
+    check_unique_claims,
+    chunks,
+    rebase_index,
+    task_body,
+)
+from runstate._config import JsonDict, compact, parse_time, segment
+from runstate._errors import RunstateError
 
 # Task states after which nothing changes (DESIGN.md "Tasks and claims").
 TASK_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
@@ -108,6 +120,11 @@ class AsyncClaim:
         return task
 
 
+def claim_id_of(claim: AsyncClaim | str) -> str:
+    """Return the id of a claim handle, or the id itself."""
+    return claim.id if isinstance(claim, AsyncClaim) else claim
+
+
 class AsyncDelivery:
     """A queue message handed out under a visibility lease."""
 
@@ -176,18 +193,43 @@ class AsyncTasks:
         With ``key`` the submit is idempotent (the same key and input answer the existing
         task) and is retried on transport errors; without one it is sent once.
         """
-        body = compact(
-            runId=self._run("submit"),
-            key=key,
-            priority=priority,
-            maxAttempts=max_attempts,
-            expiresAt=wire_time(expires_at),
+        body = {"runId": self._run("submit")} | task_body(
+            input, key=key, priority=priority, max_attempts=max_attempts, expires_at=expires_at
         )
-        body["input"] = {} if input is None else input
         task: JsonDict = await self._http.request(
             "POST", f"/mailboxes/{segment(mailbox)}/tasks", idempotent=key is not None, json=body
         )
         return AsyncTicket(self._http, task["id"], task)
+
+    async def submit_many(self, mailbox: str, items: Iterable[TaskItem]) -> list[AsyncTicket]:
+        """Submit many tasks to ``mailbox`` under the run; return their tickets in the order of ``items``.
+
+        Each item is a ``TaskItem`` dict: ``input`` and, optionally, ``key``, ``priority``,
+        ``max_attempts``, ``expires_at`` (as ``submit`` takes them). The list is sent 1,000
+        tasks a request, and each request is all or nothing: an invalid item
+        (``ValidationError``), a ``key`` reused with other input (``KEY_CONFLICT``) or a run
+        that refuses work refuses that request and writes none of its tasks. A longer list is
+        NOT atomic as a whole: the requests before a refused one stay written (the error's
+        ``details["index"]`` counts from the start of ``items``). Give every item a ``key`` to
+        make resubmitting the whole list safe; a request whose items all have one is retried
+        on transport errors, like ``submit`` with a key.
+        """
+        run_id = self._run("submit_many")
+        path = f"/mailboxes/{segment(mailbox)}/tasks/batch"
+        tickets: list[AsyncTicket] = []
+        for offset, chunk in chunks([task_body(**item) for item in items], MAX_SUBMIT_BATCH):
+            try:
+                answer: JsonDict = await self._http.request(
+                    "POST",
+                    path,
+                    idempotent=all("key" in task for task in chunk),
+                    json={"runId": run_id, "tasks": list(chunk)},
+                )
+            except RunstateError as error:
+                rebase_index(error, offset)
+                raise
+            tickets.extend(AsyncTicket(self._http, task["id"], task) for task in answer["tasks"])
+        return tickets
 
     async def claim(
         self,
@@ -211,6 +253,42 @@ class AsyncTasks:
             wait_ms=wait,
         )
         return [AsyncClaim(self._http, claim) for claim in answer["claims"]]
+
+    async def complete_many(self, items: Iterable[tuple[AsyncClaim | str, Any]]) -> list[ClaimResult]:
+        """Complete many claims: ``(claim or claim id, outcome)`` pairs; one result per item, in order.
+
+        Sent 500 items a request (``POST /v1/claims/complete``). Each item is fenced and decided
+        on its own, as ``claim.complete`` would be: a stale claim answers a result whose
+        ``error`` is a ``LeaseLostError`` (not raised) while the others complete. Retried like
+        ``claim.complete``; needs no run (``rs.tasks`` works too). A claim listed twice is a
+        ``ValueError``.
+        """
+        body = [{"claimId": claim_id_of(claim), "outcome": outcome} for claim, outcome in items]
+        return await self._claim_batch("/claims/complete", body)
+
+    async def renew_many(
+        self, claims: Iterable[AsyncClaim | str], *, lease_ttl_ms: int | None = None
+    ) -> list[ClaimResult]:
+        """Renew many claims (or claim ids); one result per item, in order, as ``complete_many``.
+
+        Sent 500 items a request (``POST /v1/claims/renew``). An ``ok`` result's ``claim`` has
+        ``cancellationRequested``; a claim handle passed in is updated as by ``claim.renew``.
+        """
+        held = list(claims)
+        body = [compact(claimId=claim_id_of(claim), leaseTtlMs=lease_ttl_ms) for claim in held]
+        results = await self._claim_batch("/claims/renew", body)
+        for claim, result in zip(held, results, strict=True):
+            if isinstance(claim, AsyncClaim) and result.claim is not None:
+                claim._update(result.claim)
+        return results
+
+    async def _claim_batch(self, path: str, items: list[JsonDict]) -> list[ClaimResult]:
+        check_unique_claims([item["claimId"] for item in items])
+        results: list[ClaimResult] = []
+        for _, chunk in chunks(items, MAX_CLAIM_BATCH):
+            answer: JsonDict = await self._http.request("POST", path, idempotent=True, json={"items": list(chunk)})
+            results.extend(ClaimResult.from_answer(item) for item in answer["results"])
+        return results
 
 
 class AsyncMessages:

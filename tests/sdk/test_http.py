@@ -203,6 +203,7 @@ class Recorder:
 
 RUN = {"id": "r1", "storedState": "ACTIVE", "effective": "ACTIVE"}
 TASK = {"id": "t1", "state": "QUEUED"}
+COMPLETED = {"results": [{"claimId": "c1", "ok": True, "task": TASK}]}
 
 
 def unavailable():
@@ -220,6 +221,13 @@ def refused_connection():
         ("cancel", lambda rs: rs.scope("r1").cancel(reason="x"), RUN),
         ("ensure", lambda rs: rs.mailboxes.ensure("jobs", mode="WORK"), {"name": "jobs"}),
         ("keyed submit", lambda rs: rs.scope("r1").tasks.submit("jobs", {}, key="k"), TASK),
+        (
+            "keyed submit_many",
+            lambda rs: rs.scope("r1").tasks.submit_many("jobs", [{"input": {}, "key": "k"}]),
+            {"tasks": [TASK]},
+        ),
+        ("complete_many", lambda rs: rs.tasks.complete_many([("c1", None)]), COMPLETED),
+        ("renew_many", lambda rs: rs.tasks.renew_many(["c1"]), {"results": [{"claimId": "c1", "ok": True}]}),
         ("group close", lambda rs: rs.groups.by_id("g1").close(), {"state": "SEALED"}),
         ("verdict", lambda rs: rs.groups.by_id("g1").accept("t1"), {"verdict": "ACCEPTED"}),
         ("arrive", lambda rs: rs.barriers.get("b1").arrive(key="a"), {"state": "WAITING"}),
@@ -242,6 +250,10 @@ def test_idempotent_calls_are_retried(what, call, ok, failure):
         ("run create", lambda rs: rs.scopes.create()),
         ("child", lambda rs: rs.scope("r1").child()),
         ("submit without key", lambda rs: rs.scope("r1").tasks.submit("jobs", {})),
+        (
+            "submit_many with an item without key",
+            lambda rs: rs.scope("r1").tasks.submit_many("jobs", [{"input": {}, "key": "k"}, {"input": 1}]),
+        ),
         ("member submit without key", lambda rs: rs.groups.by_id("g1").submit({})),
         ("send without key", lambda rs: rs.scope("r1").messages.send("q", {})),
         ("claim", lambda rs: rs.scope("r1").tasks.claim("jobs")),
@@ -346,3 +358,77 @@ def test_naive_datetimes_are_refused():
 def test_the_package_imports_nothing_from_django():
     code = "import sys, runstate; sys.exit(any(m == 'django' or m.startswith('django.') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
+
+
+def batch_answer(request):
+    """Answer a batch request as the server would: one item per item, in order."""
+    body = json.loads(request.content)
+    if "tasks" in body:
+        return httpx.Response(201, json={"tasks": [{"id": f"t{task['input']}"} | task for task in body["tasks"]]})
+    results = [{"claimId": item["claimId"], "ok": True, "task": TASK} for item in body["items"]]
+    return httpx.Response(200, json={"results": results})
+
+
+def test_batches_split_at_the_servers_limits_and_keep_the_input_order():
+    sizes = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        sizes.append((request.url.path, len(body.get("tasks") or body.get("items"))))
+        return batch_answer(request)
+
+    items = [{"input": i, "priority": 1} for i in range(2_001)]
+    for tickets in call_both(handler, lambda rs: rs.scope("r1").tasks.submit_many("jobs", items)):
+        assert [ticket.id for ticket in tickets] == [f"t{i}" for i in range(2_001)]
+    assert sizes == [("/v1/mailboxes/jobs/tasks/batch", n) for n in (1_000, 1_000, 1)] * 2
+    sizes.clear()
+    claims = [(f"c{i}", {"n": i}) for i in range(1_001)]
+    for results in call_both(handler, lambda rs: rs.tasks.complete_many(claims)):
+        assert [r.claim_id for r in results] == [claim_id for claim_id, _ in claims]
+    for results in call_both(handler, lambda rs: rs.tasks.renew_many([claim_id for claim_id, _ in claims])):
+        assert [r.claim_id for r in results] == [claim_id for claim_id, _ in claims]
+    assert [n for _, n in sizes] == [500, 500, 1] * 4
+    assert {path for path, _ in sizes} == {"/v1/claims/complete", "/v1/claims/renew"}
+
+
+def test_a_refused_later_request_names_the_item_by_its_place_in_the_whole_list():
+    def handler(request):
+        if len(json.loads(request.content)["tasks"]) == 1_000:
+            return batch_answer(request)
+        details = {"index": 3, "tasks.3.maxAttempts": ["too small"], "runId": ["kept"]}
+        return httpx.Response(400, json=envelope("VALIDATION_ERROR", **details))
+
+    items = [{"input": i} for i in range(1_010)]
+    for error in call_both(handler, lambda rs: rs.scope("r1").tasks.submit_many("jobs", items)):
+        assert isinstance(error, ValidationError)
+        assert error.details == {"index": 1_003, "tasks.1003.maxAttempts": ["too small"], "runId": ["kept"]}
+
+
+def test_a_claim_listed_twice_is_refused_before_any_request():
+    recorder = Recorder(httpx.Response(200, json=COMPLETED))
+    twice = [(f"c{i}", None) for i in range(600)] + [("c1", None)]  # in different requests of 500
+    for error in call_both(recorder, lambda rs: rs.tasks.complete_many(twice)):
+        assert isinstance(error, ValueError)
+    assert recorder.requests == []
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        ("LEASE_LOST", LeaseLostError),
+        ("SCOPE_CANCELLED", ScopeCancelledError),
+        ("DEADLINE_EXCEEDED", DeadlineExceededError),
+        ("KEY_CONFLICT", ConflictError),
+        ("NOT_FOUND", NotFoundError),
+        ("PERMISSION_DENIED", PermissionDeniedError),
+        ("SOMETHING_NEW", RunstateError),
+    ],
+)
+def test_a_refused_item_of_a_batch_answer_is_the_exception_it_would_have_raised_alone(code, cls):
+    answer = {"results": [{"claimId": "c1", "ok": False, "error": {"code": code, "message": "no"}}]}
+    recorder = Recorder(httpx.Response(200, json=answer))
+    for results in call_both(recorder, lambda rs: rs.tasks.complete_many([("c1", 1)])):
+        (result,) = results
+        assert not result.ok and result.task is None
+        assert type(result.error) is cls
+        assert (result.error.code, result.error.message, result.error.status_code) == (code, "no", None)
