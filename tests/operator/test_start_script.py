@@ -1,0 +1,129 @@
+"""``scripts/start`` runs the API as ``WEB_CONCURRENCY`` uvicorn processes, and Ctrl-C stops them all.
+
+The script runs as a person runs it, on the test database: it migrates (nothing to do),
+prepares the development project and starts ``uvicorn --workers``; the test counts the
+worker processes under uvicorn's master, then sends the script the SIGINT of a Ctrl-C.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.operator.live import ROOT, database_env
+from tests.processes import free_port, stop_process_groups
+
+# The script's processes read the test database through their own connections.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# Bounded waits, not measures.
+START_S = 120
+STOP_S = 60
+
+
+def children(pid: int) -> list[int]:
+    """Return the live child processes of ``pid`` (from /proc: psutil is not a dependency)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        state, ppid = fields[0], int(fields[1])
+        if ppid == pid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        **database_env(),
+        "PORT": str(port),
+        "WEB_CONCURRENCY": "2",
+        "RUNSTATE_VAR_DIR": str(tmp_path / "var"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    output = tmp_path / "start.out"
+    # A shell started in the background may inherit SIGINT ignored, and bash cannot trap a
+    # signal ignored at its start: give the script SIGINT's default, as a terminal does.
+    launcher = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    with open(output, "wb") as out:
+        script = subprocess.Popen(
+            [sys.executable, "-c", launcher, str(ROOT / "scripts" / "start"), "--no-worker"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log() -> str:
+        api_log = tmp_path / "var" / "log" / "api.log"
+        text = output.read_text(errors="replace")
+        if api_log.exists():
+            text += "\n--- api.log ---\n" + api_log.read_text(errors="replace")[-3000:]
+        return text
+
+    seen: list[int] = []
+    try:
+        # The script prints its banner once /v1/healthz answers.
+        deadline = time.monotonic() + START_S
+        while "Press Ctrl-C to stop." not in output.read_text(errors="replace"):
+            assert script.poll() is None, f"scripts/start exited ({script.returncode}):\n{log()}"
+            assert time.monotonic() < deadline, f"scripts/start did not come up within {START_S} s:\n{log()}"
+            time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=10).json() == {"status": "ok"}
+
+        (master,) = [pid for pid in children(script.pid) if "uvicorn" in command_line(pid)]
+        assert "--workers 2" in command_line(master)
+        # uvicorn's master starts its workers through multiprocessing (beside a resource tracker).
+        deadline = time.monotonic() + START_S
+        while True:
+            workers = [pid for pid in children(master) if "multiprocessing.spawn" in command_line(pid)]
+            if len(workers) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(workers) == 2, (workers, log())
+        seen = [master, *children(master)]
+
+        script.send_signal(signal.SIGINT)
+        assert script.wait(STOP_S) == 130, log()
+        deadline = time.monotonic() + STOP_S
+        while any(alive(pid) for pid in seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in seen if alive(pid)] == [], log()
+        assert "Stopping api" in output.read_text()
+    finally:
+        stop_process_groups([script], grace_s=15)
+        for pid in seen:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
