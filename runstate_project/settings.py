@@ -68,6 +68,13 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# The stack of requests under /v1/ (runstate_project/asgi.py): the API authenticates with keys
+# and needs no session, CSRF, user or messages middleware.
+API_MIDDLEWARE = [
+    "coordination.logging.RequestContextMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+]
+
 ROOT_URLCONF = "runstate_project.urls"
 
 TEMPLATES = [

@@ -1,0 +1,50 @@
+"""Requests under /v1/ take the API's short middleware stack; the admin keeps Django's full one."""
+
+import asyncio
+
+import pytest
+from asgiref.testing import ApplicationCommunicator
+
+from runstate_project.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def call(path: str) -> tuple[int, dict[bytes, bytes]]:
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"testserver")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("testserver", 80),
+    }
+    communicator = ApplicationCommunicator(application, scope)
+    await communicator.send_input({"type": "http.request", "body": b"", "more_body": False})
+    start = await communicator.receive_output(10)
+    await communicator.receive_output(10)  # the body
+    return start["status"], {name.lower(): value for name, value in start["headers"]}
+
+
+def test_the_api_skips_the_admin_middleware_and_the_admin_keeps_it():
+    asyncio.run(scenario())
+
+
+async def scenario():
+    status, api = await call("/v1/healthz")
+    assert status == 200
+    assert b"x-request-id" in api, "the API's own stack (request id) ran"
+    assert api.get(b"x-content-type-options") == b"nosniff", "security headers still apply to the API"
+    # Clickjacking and session middleware are the admin's: they leave these marks.
+    assert b"x-frame-options" not in api
+    assert b"Cookie" not in api.get(b"vary", b"")
+    status, admin = await call("/admin/login/")
+    assert status == 200
+    assert admin.get(b"x-frame-options") == b"DENY"
+    assert b"x-request-id" in admin
