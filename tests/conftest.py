@@ -36,6 +36,11 @@ def other_project(db):
     return project_ensure(name="globex")
 
 
+def secret_of(plaintext: str) -> str:
+    """The secret part of a plaintext key ``rs_<prefix>_<secret>`` (the secret may itself hold ``_``)."""
+    return plaintext.split("_", 2)[2]
+
+
 def make_client(project, permissions=ALL_PERMISSIONS, **kwargs):
     """Return an APIClient authenticated with a fresh key of ``project``."""
     issued = api_key_create(project_id=project.id, permissions=list(permissions), **kwargs)

@@ -8,7 +8,7 @@ from django.db import connection
 from coordination.models import ApiKey
 from coordination.services.keys import api_key_create, api_key_revoke
 from coordination.services.runs import run_create
-from tests.conftest import make_client
+from tests.conftest import make_client, secret_of
 
 pytestmark = pytest.mark.django_db
 
@@ -93,7 +93,7 @@ def test_other_projects_run_is_404_not_403(api, other_project):
 
 def test_plaintext_key_is_stored_in_no_table(api, project):
     plaintext = api.issued.plaintext
-    secret = plaintext.rsplit("_", 1)[1]
+    secret = secret_of(plaintext)
     tables = connection.introspection.table_names()
     with connection.cursor() as cursor:
         for table in tables:

@@ -15,6 +15,7 @@ from coordination.selectors import runs_effective
 from coordination.services.keys import api_key_authenticate, api_key_create
 from coordination.services.runs import run_cancel, run_complete, run_create
 from coordination.states import Effective, RunState
+from tests.conftest import secret_of
 
 RUNS = reverse("admin:coordination_run_changelist")
 KEYS = reverse("admin:coordination_apikey_changelist")
@@ -248,7 +249,7 @@ def test_add_form_creates_a_key_through_the_service_and_shows_it_once(admin_clie
     change_page = admin_client.get(reverse("admin:coordination_apikey_change", args=[api_key.pk]))
     assert plaintext not in change_page.content.decode()
     # Stored nowhere: not in the key's row, nor in any column of any table.
-    secret = plaintext.rsplit("_", 1)[1]
+    secret = secret_of(plaintext)
     for field in ApiKey._meta.concrete_fields:
         assert secret not in str(getattr(api_key, field.attname))
     assert not [value for value in every_stored_value() if secret in value]

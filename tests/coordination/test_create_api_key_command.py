@@ -10,6 +10,7 @@ from django.core.management import CommandError, call_command
 from coordination.models import ApiKey, Project
 from coordination.services.keys import api_key_authenticate
 from coordination.services.runs import run_create
+from tests.conftest import secret_of
 
 
 def create_api_key(*args: str) -> list[str]:
@@ -70,7 +71,7 @@ def test_run_binds_the_key_and_name_and_expiry_are_kept(project):
 def test_the_plaintext_is_not_stored_in_the_key_row():
     plaintext = create_api_key("--project", "acme", "--permissions", "coordination_read")[-1]
 
-    secret = plaintext.rsplit("_", 1)[1]
+    secret = secret_of(plaintext)
     row = ApiKey.objects.values().get()
     assert not [name for name, value in row.items() if secret in str(value) or plaintext in str(value)]
 

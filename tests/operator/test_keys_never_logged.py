@@ -14,13 +14,10 @@ import pytest
 from django.db import connection
 
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, api_key_revoke, project_ensure
+from tests.conftest import secret_of
 from tests.operator.live import uvicorn_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def secret_of(plaintext: str) -> str:
-    return plaintext.split("_", 2)[2]
 
 
 def table_dump() -> str:
