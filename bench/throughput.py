@@ -1,7 +1,8 @@
 """Task throughput: submit -> claim -> complete on PostgreSQL, against pgbench -N and pgqueuer.
 
     .venv/bin/python -m bench.throughput [--tasks N] [--workers 4[,8]] [--modes unbatched,batched]
-                                         [--no-http] [--no-pgqueuer] [--json PATH] [--record]
+                                         [--no-http] [--http-processes 2] [--no-sdk] [--no-pgqueuer]
+                                         [--json PATH] [--record]
 
 For each worker count W (4 unless ``--workers`` says otherwise) it measures, in this order
 and never overlapping:
@@ -11,9 +12,18 @@ and never overlapping:
   ``task_claim(max_claims=B)`` (``--batch``, 10), ``claim_complete`` per claim; *batched*:
   ``tasks_submit_many`` of 100, ``task_claim`` of 50, ``claims_complete_many`` of 50
   (``--batched-sizes``);
-* HTTP (``--http``, on by default): the unbatched calls through a uvicorn subprocess on
-  127.0.0.1, driven by W threads with keep-alive ``httpx.Client``s;
+* HTTP (``--http``, on by default), through uvicorn on 127.0.0.1 with ``--http-processes``
+  worker processes (2), driven by W threads with keep-alive ``httpx.Client``s, per
+  ``--http-modes``: *unbatched* (one submit per task, claims of ``--batch``, one complete
+  per claim) and *batched* (the batch endpoints: submits of 100, claims of 50, completes of
+  50, as ``--batched-sizes``);
 * baseline: ``pgbench -N -c W -j W -T 15`` against the same PostgreSQL server.
+
+With the HTTP server up, once: the server's CPU per unbatched request of each kind (submit,
+claim of 1, complete; ``--cost-calls`` of each, one at a time from one client, the uvicorn
+processes' CPU time divided by the calls), and the SDK scenario (``--sdk``): a backlog of
+the HTTP N tasks submitted with ``submit_many``, drained by the SDK's real ``consume`` loop
+(``AsyncRunstate``, ``--sdk-concurrency`` 8) in this process.
 
 Then, once, the same-run peer (``--pgqueuer``, on by default; bench/pgqueuer_peer.py):
 pgqueuer draining N no-op jobs enqueued beforehand with 5 dequeuers x batch 10, in a
@@ -65,6 +75,11 @@ RECORD_PATH = ROOT / "docs" / "benchmarks.md"
 UNBATCHED_PIPELINE_TARGET = 0.25
 BATCHED_SUBMIT_TARGET = 1.0
 BATCHED_DRAIN_TARGET = 1.0
+# Issue 15, same run: the batched HTTP pipeline and the SDK consume drain against pgbench -N
+# TPS; server (uvicorn) CPU per unbatched request, in milliseconds.
+HTTP_BATCHED_PIPELINE_TARGET = 0.25
+SDK_DRAIN_TARGET = 0.25
+REQUEST_CPU_MS_TARGETS = {"submit": 3.0, "complete": 2.0}
 MAILBOX = "bench"
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -848,13 +863,16 @@ def free_port() -> int:
 
 
 class UvicornServer:
-    """``uvicorn runstate_project.asgi:application`` as a subprocess on a free local port."""
+    """``uvicorn runstate_project.asgi:application`` as a subprocess on a free local port.
 
-    def __init__(self, processes: int = 1, db_pool: bool = False) -> None:
+    Started as ``scripts/start`` starts it: ``--workers`` processes, uvicorn's defaults for
+    the event loop and the HTTP parser (uvloop and httptools, from ``uvicorn[standard]``).
+    """
+
+    def __init__(self, processes: int = 1) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.processes = processes
-        self.db_pool = db_pool
         self.log_path = ROOT / "var" / "bench-uvicorn.log"
 
     def __enter__(self) -> UvicornServer:
@@ -862,34 +880,10 @@ class UvicornServer:
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")
-        options = [
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--loop",
-            "asyncio",
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ]
+        options = ["--host", "127.0.0.1", "--port", str(self.port), "--no-access-log", "--log-level", "warning"]
         if self.processes > 1:
             options += ["--workers", str(self.processes)]
         command = [sys.executable, "-m", "uvicorn", "runstate_project.asgi:application", *options]
-        if self.db_pool:
-            # An experiment without touching the project: patch the settings module before
-            # Django reads it, then start uvicorn in the same interpreter. (CONN_MAX_AGE does
-            # not help here: under ASGI every request runs in its own thread, so its own
-            # connection.)
-            command = [
-                sys.executable,
-                "-c",
-                "import sys, uvicorn.main, runstate_project.settings as s; "
-                "s.DATABASES['default'].setdefault('OPTIONS', {})['pool'] = {'min_size': 2, 'max_size': 16}; "
-                "sys.exit(uvicorn.main.main())",
-                "runstate_project.asgi:application",
-                *options,
-            ]
         self.process = subprocess.Popen(command, cwd=ROOT, env=bench_environment(), stdout=self._log, stderr=self._log)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -915,50 +909,95 @@ class UvicornServer:
         self._log.close()
 
 
-def run_http_scenario(server: UvicornServer, tasks: int, workers: int, batch: int) -> ScenarioResult:
-    """The service scenario through HTTP: W threads, one keep-alive ``httpx.Client`` each."""
+def _checked(response: Any) -> dict:
+    """Return a 200/201 answer's JSON; raise with the request and the answer otherwise."""
+    if response.status_code not in (200, 201):
+        request = response.request
+        raise RuntimeError(f"{request.method} {request.url}: {response.status_code} {response.text[:500]}")
+    return response.json()
+
+
+def http_run(server: UvicornServer, label: str) -> tuple[dict[str, str], str]:
+    """Create a fresh project, key, WORK mailbox and run over HTTP; return (headers, run id)."""
+    import httpx
+
+    _, key = http_fixture(label)
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+        _checked(client.put(f"/v1/mailboxes/{MAILBOX}", json={"mode": "WORK"}))
+        run_id = _checked(client.post("/v1/runs", json={"name": f"bench {label}"}))["id"]
+    return headers, run_id
+
+
+HTTP_MODES = ("unbatched", "batched")
+
+
+def run_http_scenario(
+    server: UvicornServer, tasks: int, workers: int, mode: str, sizes: tuple[int, int, int]
+) -> ScenarioResult:
+    """The service scenario through HTTP: W threads, one keep-alive ``httpx.Client`` each.
+
+    *unbatched*: one ``POST /v1/mailboxes/{name}/tasks`` per task, claims of ``max`` = the
+    claim size, one ``POST /v1/claims/{id}/complete`` per claim. *batched*: ``POST
+    /v1/mailboxes/{name}/tasks/batch`` of the submit size, claims of the claim size, ``POST
+    /v1/claims/complete`` of the complete size. ``sizes`` is (submit, claim, complete).
+    """
     import httpx
     from django.db import connection
 
+    submit_size, claim_size, complete_size = sizes if mode == "batched" else (1, sizes[1], 1)
     truncate_coordination_tables()
-    _, key = http_fixture(f"http-w{workers}")
+    headers, run_id = http_run(server, f"http-{mode}-w{workers}")
     connection.close()
-    headers = {"Authorization": f"Bearer {key}"}
-
-    def check(response: httpx.Response) -> dict:
-        if response.status_code not in (200, 201):
-            request = response.request
-            raise RuntimeError(f"{request.method} {request.url}: {response.status_code} {response.text}")
-        return response.json()
-
-    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
-        check(client.put(f"/v1/mailboxes/{MAILBOX}", json={"mode": "WORK"}))
-        run_id = check(client.post("/v1/runs", json={"name": f"bench http w={workers}"}))["id"]
 
     def open_client(_index: int) -> httpx.Client:
         client = httpx.Client(base_url=server.url, headers=headers, timeout=60)
-        check(client.get("/v1/healthz"))  # open the keep-alive connection before the clock starts
+        _checked(client.get("/v1/healthz"))  # open the keep-alive connection before the clock starts
         return client
 
     def submitter(index: int, client: httpx.Client) -> int:
-        for i in range(index, tasks, workers):
-            check(client.post(f"/v1/mailboxes/{MAILBOX}/tasks", json={"runId": run_id, "input": {"i": i}}))
+        mine = list(range(index, tasks, workers))
+        for start in range(0, len(mine), submit_size):
+            chunk = mine[start : start + submit_size]
+            if mode == "batched":
+                body = {"runId": run_id, "tasks": [{"input": {"i": i}} for i in chunk]}
+                _checked(client.post(f"/v1/mailboxes/{MAILBOX}/tasks/batch", json=body))
+            else:
+                _checked(
+                    client.post(f"/v1/mailboxes/{MAILBOX}/tasks", json={"runId": run_id, "input": {"i": chunk[0]}})
+                )
         return 0
+
+    def complete(client: httpx.Client, claims: list[dict], latencies: list[float]) -> None:
+        if mode == "batched":
+            for start in range(0, len(claims), complete_size):
+                items = [
+                    {"claimId": c["claimId"], "outcome": c["task"]["input"]}
+                    for c in claims[start : start + complete_size]
+                ]
+                started = time.perf_counter()
+                results = _checked(client.post("/v1/claims/complete", json={"items": items}))["results"]
+                latencies.append(time.perf_counter() - started)
+                refused = [r for r in results if not r["ok"]]
+                if refused:
+                    raise RuntimeError(f"batch complete refused {len(refused)} items: {refused[:3]}")
+            return
+        for claim in claims:
+            started = time.perf_counter()
+            _checked(client.post(f"/v1/claims/{claim['claimId']}/complete", json={"outcome": claim["task"]["input"]}))
+            latencies.append(time.perf_counter() - started)
 
     def claimer(index: int, client: httpx.Client) -> tuple[list[float], list[float], int, int]:
         claim_lat, complete_lat, done, empty = [], [], 0, 0
-        body = {"runId": run_id, "max": batch, "workerId": f"bench-http-{index}"}
+        body = {"runId": run_id, "max": claim_size, "workerId": f"bench-http-{index}"}
         while True:
             started = time.perf_counter()
-            claims = check(client.post(f"/v1/mailboxes/{MAILBOX}/claims", json=body))["claims"]
+            claims = _checked(client.post(f"/v1/mailboxes/{MAILBOX}/claims", json=body))["claims"]
             claim_lat.append(time.perf_counter() - started)
             if not claims:
                 empty += 1
                 break
-            for claim in claims:
-                started = time.perf_counter()
-                check(client.post(f"/v1/claims/{claim['claimId']}/complete", json={"outcome": claim["task"]["input"]}))
-                complete_lat.append(time.perf_counter() - started)
+            complete(client, claims, complete_lat)
             done += len(claims)
         return claim_lat[:-1], complete_lat, done, empty
 
@@ -972,10 +1011,10 @@ def run_http_scenario(server: UvicornServer, tasks: int, workers: int, batch: in
     verification = verify_run(uuid.UUID(run_id), tasks)
     connection.close()
     return ScenarioResult(
-        mode="http",
+        mode=f"http {mode}",
         workers=workers,
         tasks=tasks,
-        batch=batch,
+        batch=claim_size,
         submit_s=submit_s,
         claim_complete_s=claim_s,
         claim_latencies=[x for r in results for x in r[0]],
@@ -986,6 +1025,142 @@ def run_http_scenario(server: UvicornServer, tasks: int, workers: int, batch: in
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
     )
+
+
+@dataclass
+class RequestCosts:
+    """Server CPU per unbatched request of each kind, from one client sending them one at a time."""
+
+    calls: int
+    uvicorn_ms: dict[str, float]  # the uvicorn process tree (every worker process)
+    postgres_ms: dict[str, float]  # the whole PostgreSQL server meanwhile
+
+    def summary(self) -> str:
+        parts = [
+            f"{op} {self.uvicorn_ms[op]:.2f} ms uvicorn + {self.postgres_ms[op]:.2f} ms postgres"
+            for op in self.uvicorn_ms
+        ]
+        return f"server CPU per request ({self.calls} sequential requests of each kind): " + "; ".join(parts)
+
+
+def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
+    """Send ``calls`` submits, then ``calls`` claims of ``max`` 1, then their completes, one at a time.
+
+    One client and no concurrency, so the server's CPU over each phase divided by the calls
+    is what one request of that kind costs it (the machine's other load adds nothing to a
+    process's own CPU time; it only stretches the wall clock).
+    """
+    import httpx
+    from django.db import connection
+
+    truncate_coordination_tables()
+    headers, run_id = http_run(server, "http-costs")
+    connection.close()
+    uvicorn_ms: dict[str, float] = {}
+    postgres_ms: dict[str, float] = {}
+    claims: list[dict] = []
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+        for _ in range(20):  # warm every worker process: imports, pool, prepared statements
+            _checked(client.post(f"/v1/mailboxes/{MAILBOX}/tasks", json={"runId": run_id, "input": {}}))
+        warm = _checked(client.post(f"/v1/mailboxes/{MAILBOX}/claims", json={"runId": run_id, "max": 20}))["claims"]
+        for claim in warm:
+            _checked(client.post(f"/v1/claims/{claim['claimId']}/complete", json={"outcome": 0}))
+
+        def phase(op: str, request: Callable[[int], None]) -> None:
+            with CpuMeter(server.process.pid) as cpu:
+                for i in range(calls):
+                    request(i)
+            uvicorn_ms[op] = 1000 * cpu.server_s / calls
+            postgres_ms[op] = 1000 * cpu.postgres_s / calls
+
+        submit_body = {"runId": run_id, "input": {"i": 0}}
+        claim_body = {"runId": run_id, "max": 1}
+        phase("submit", lambda i: _checked(client.post(f"/v1/mailboxes/{MAILBOX}/tasks", json=submit_body)))
+        phase(
+            "claim",
+            lambda i: claims.extend(
+                _checked(client.post(f"/v1/mailboxes/{MAILBOX}/claims", json=claim_body))["claims"]
+            ),
+        )
+        if len(claims) != calls:
+            raise RuntimeError(f"expected {calls} claims, got {len(claims)}")
+        phase(
+            "complete",
+            lambda i: _checked(client.post(f"/v1/claims/{claims[i]['claimId']}/complete", json={"outcome": i})),
+        )
+    return RequestCosts(calls, uvicorn_ms, postgres_ms)
+
+
+@dataclass
+class SdkDrain:
+    """The SDK's ``consume`` loop draining a backlog submitted with ``submit_many``."""
+
+    tasks: int
+    concurrency: int
+    submit_s: float
+    drain_s: float
+    cpu: CpuMeter = field(repr=False)
+    verification: dict[str, Any]
+
+    @property
+    def drain_rate(self) -> float:
+        return self.tasks / self.drain_s
+
+    def summary(self) -> str:
+        return (
+            f"submit_many {self.tasks / self.submit_s:.0f} tasks/s; consume (concurrency {self.concurrency}) drained "
+            f"{self.drain_rate:.0f} tasks/s ({self.drain_s:.1f} s); {self.cpu.summary()}; "
+            f"{self.cpu.per_task_ms(self.tasks)}; {verification_text(self.verification, self.tasks)}"
+        )
+
+
+def run_sdk_drain(server: UvicornServer, tasks: int, concurrency: int) -> SdkDrain:
+    """Submit ``tasks`` with ``submit_many``, then drain them with the SDK's real ``consume`` loop.
+
+    The loop runs in this process (``AsyncRunstate``, one event loop) with a handler that
+    returns its input; the clock runs from the loop's start until the handler has seen every
+    task, and the loop is then stopped (it flushes what it still holds before it returns).
+    """
+    import asyncio
+
+    from django.db import connection
+
+    from runstate import AsyncRunstate
+
+    truncate_coordination_tables()
+    headers, run_id = http_run(server, "sdk-consume")
+    connection.close()
+    key = headers["Authorization"].removeprefix("Bearer ")
+
+    async def drive() -> tuple[float, float]:
+        async with AsyncRunstate(server.url, key) as rs:
+            started = time.perf_counter()
+            await rs.scope(run_id).tasks.submit_many(MAILBOX, [{"input": {"i": i}} for i in range(tasks)])
+            submit_s = time.perf_counter() - started
+            seen = 0
+            done = asyncio.Event()
+
+            async def handler(ctx: Any) -> Any:
+                nonlocal seen
+                seen += 1
+                if seen == tasks:
+                    done.set()
+                return ctx.input
+
+            worker = rs.scope(run_id).worker(MAILBOX, handler, concurrency=concurrency)
+            started = time.perf_counter()
+            running = asyncio.ensure_future(worker.run())
+            finished = asyncio.ensure_future(done.wait())
+            await asyncio.wait({running, finished}, return_when=asyncio.FIRST_COMPLETED)
+            worker.stop()
+            await running  # raises what the loop raised, if it ended on its own
+            return submit_s, time.perf_counter() - started
+
+    with CpuMeter(server.process.pid) as cpu:
+        submit_s, drain_s = asyncio.run(drive())
+    verification = verify_run(uuid.UUID(run_id), tasks)
+    connection.close()
+    return SdkDrain(tasks, concurrency, submit_s, drain_s, cpu, verification)
 
 
 # pgbench ---------------------------------------------------------------------------------
@@ -1366,8 +1541,7 @@ def record_section(
         f"- Command: `python -m bench.throughput {' '.join(sys.argv[1:])}`\n"
         f"- Settings: service N={service_n} ({'; '.join(f'{m.name}: {m.sizes}' for m in service_modes(args))}), "
         f"HTTP N={http_n}, batch B={args.batch}, W={args.workers}, {baseline}, {peer_settings(args)}, "
-        f"uvicorn processes={args.http_processes}"
-        f"{' with a psycopg connection pool' if args.http_db_pool else ''}, DEBUG off"
+        f"uvicorn processes={args.http_processes}, SDK consume concurrency={args.sdk_concurrency}, DEBUG off"
     )
     body = "\n".join(
         [
@@ -1413,18 +1587,21 @@ class RunFigures:
     peer: Any  # bench.pgqueuer_peer.DrainResult, or None when the peer did not run
     service_sql: dict[str, list[str]]
     batch: int
+    costs: RequestCosts | None = None
+    sdk_drain: SdkDrain | None = None
 
 
 def json_figures(run: RunFigures) -> dict[str, Any]:
     """Return the figures ``--json`` writes: W = 4, one key per part (None for a part that did not run).
 
-    Rates are per second; ``statements`` are the SQL statements (BEGIN and COMMIT included)
-    of one unbatched submit, one claim of ``--batch`` and one complete. A new part adds its
-    key here.
+    Rates are per second; ``server_cpu_ms`` is the uvicorn processes' CPU per unbatched
+    request of each kind (``measure_request_costs``); ``statements`` are the SQL statements
+    (BEGIN and COMMIT included) of one unbatched submit, one claim of ``--batch`` and one
+    complete. A new part adds its key here.
     """
 
-    def service(mode: str) -> dict[str, float] | None:
-        found = [r for r in run.results if r.mode == f"service {mode}" and r.workers == JSON_WORKERS]
+    def rates(mode: str) -> dict[str, float] | None:
+        found = [r for r in run.results if r.mode == mode and r.workers == JSON_WORKERS]
         if not found:
             return None
         r = found[0]
@@ -1438,9 +1615,14 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
         return len(run.service_sql[op]) if op in run.service_sql else None
 
     tps = run.baselines.get(JSON_WORKERS)
+    costs = run.costs
     return {
-        "service_unbatched": service("unbatched"),
-        "service_batched": service("batched"),
+        "service_unbatched": rates("service unbatched"),
+        "service_batched": rates("service batched"),
+        "http_unbatched": rates("http unbatched"),
+        "http_batched": rates("http batched"),
+        "sdk_consume_drain_per_s": round(run.sdk_drain.drain_rate, 1) if run.sdk_drain else None,
+        "server_cpu_ms": {op: round(ms, 3) for op, ms in costs.uvicorn_ms.items()} if costs else None,
         "pgbench_tps": round(tps, 1) if tps else None,
         "pgqueuer_drain_per_s": round(run.peer.rate, 1) if run.peer else None,
         "statements": {
@@ -1486,7 +1668,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--service", action=argparse.BooleanOptionalAction, default=True, help="run the service-layer scenario"
     )
     parser.add_argument("--http", action=argparse.BooleanOptionalAction, default=True, help="run the HTTP scenario")
-    parser.add_argument("--http-processes", type=int, default=1, help="uvicorn worker processes (1)")
+    parser.add_argument("--http-processes", type=int, default=2, help="uvicorn worker processes (2)")
+    parser.add_argument("--http-modes", default="unbatched,batched", help="HTTP scenarios to run (unbatched,batched)")
+    parser.add_argument(
+        "--sdk", action=argparse.BooleanOptionalAction, default=True, help="run the SDK consume-loop scenario"
+    )
+    parser.add_argument("--sdk-concurrency", type=int, default=8, help="the SDK consume loop's concurrency (8)")
+    parser.add_argument(
+        "--cost-calls", type=int, default=1000, help="sequential requests per kind for the CPU costs (1000)"
+    )
     parser.add_argument("--pgbench", action=argparse.BooleanOptionalAction, default=True, help="run the baseline")
     parser.add_argument("--pgbench-seconds", type=int, default=15, help="pgbench -T (15)")
     parser.add_argument("--pgbench-scale", type=int, default=10, help="pgbench -i -s (10)")
@@ -1512,11 +1702,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-quiet-wait", type=float, default=300.0, help="wait at most this many seconds for quiet (300)"
     )
     parser.add_argument(
-        "--http-db-pool",
-        action="store_true",
-        help="experiment: run uvicorn with Django's psycopg connection pool (OPTIONS pool=True; needs psycopg-pool)",
-    )
-    parser.add_argument(
         "--notify-probe",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -1540,6 +1725,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batched_sizes = ()
     if len(args.batched_sizes) != 3 or min(args.batched_sizes) < 1:
         parser.error("--batched-sizes takes three positive numbers: SUBMIT,CLAIM,COMPLETE")
+    args.http_mode_names = [m.strip() for m in args.http_modes.split(",") if m.strip()]
+    if not set(args.http_mode_names) <= set(HTTP_MODES):
+        parser.error("--http-modes takes unbatched, batched or both")
+    if args.sdk_concurrency < 1 or args.cost_calls < 1:
+        parser.error("--sdk-concurrency and --cost-calls must be positive")
     args.pgqueuer_jobs = args.pgqueuer_jobs or args.tasks
     if min(args.pgqueuer_jobs, args.pgqueuer_dequeuers, args.pgqueuer_batch) < 1:
         parser.error("--pgqueuer-jobs, --pgqueuer-dequeuers and --pgqueuer-batch must be positive")
@@ -1579,8 +1769,6 @@ def main(argv: list[str] | None = None) -> int:
     costs, costs_note = time_service_calls(every_mode)
     http_sql = count_http_statements(args.batch) if args.http else None  # in-process: needs no server
     statements = statements_table(service_sql, http_sql, every_mode, costs, costs_note)
-    if args.http_db_pool:
-        statements += "\n\n(The in-process HTTP counts use the project's settings, without the connection pool.)"
     print("\nSQL statements per operation\n" + statements)
     if args.show_sql:
         for op, sqls in service_sql.items():
@@ -1599,10 +1787,17 @@ def main(argv: list[str] | None = None) -> int:
     baselines: dict[int, float] = {}
     pgbench_results: dict[int, PgbenchResult] = {}
     details: list[str] = []
-    server = UvicornServer(args.http_processes, args.http_db_pool) if args.http else None
+    server = UvicornServer(args.http_processes) if args.http else None
+    costs: RequestCosts | None = None
+    sdk_drain: SdkDrain | None = None
     if server:
         server.__enter__()
     try:
+        if server:
+            print(f"\nserver CPU per request: {args.cost_calls} of each kind, one at a time ...", flush=True)
+            costs = measure_request_costs(server, args.cost_calls)
+            print("  " + costs.summary())
+            details.append(costs.summary())
         for workers in args.worker_counts:
             for mode in modes if args.service else []:
                 print(f"\nW={workers}: service layer {mode.name}, {args.tasks} tasks, {mode.sizes} ...", flush=True)
@@ -1611,13 +1806,15 @@ def main(argv: list[str] | None = None) -> int:
                 for line in scenario_lines(result):
                     print("  " + line)
                     details.append(f"service {mode.name} W={workers}: {line}")
-            if server:
-                print(f"W={workers}: HTTP, {args.http_tasks} tasks, batch {args.batch} ...", flush=True)
-                result = run_http_scenario(server, args.http_tasks, workers, args.batch)
+            for http_mode in args.http_mode_names if server else []:
+                sizes = args.batched_sizes if http_mode == "batched" else (1, args.batch, 1)
+                print(f"W={workers}: HTTP {http_mode}, {args.http_tasks} tasks, {sizes} ...", flush=True)
+                result = run_http_scenario(server, args.http_tasks, workers, http_mode, sizes)
                 results.append(result)
                 for line in scenario_lines(result):
                     print("  " + line)
-                    details.append(f"HTTP W={workers}: {line}")
+                    details.append(f"HTTP {http_mode} W={workers}: {line}")
+
             if pgbench:
                 print(f"W={workers}: pgbench -N -c {workers} -j {workers} -T {args.pgbench_seconds} ...", flush=True)
                 baseline = pgbench_run(pgbench, url, workers, args.pgbench_seconds)
@@ -1633,6 +1830,11 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print("  " + line)
                     details.append(line)
+        if server and args.sdk:
+            print(f"\nSDK consume: {args.http_tasks} tasks, concurrency {args.sdk_concurrency} ...", flush=True)
+            sdk_drain = run_sdk_drain(server, args.http_tasks, args.sdk_concurrency)
+            print("  " + sdk_drain.summary())
+            details.append(f"SDK consume: {sdk_drain.summary()}")
     finally:
         if server:
             server.__exit__()
@@ -1649,7 +1851,7 @@ def main(argv: list[str] | None = None) -> int:
             details.append(line)
 
     table = results_table(results, baselines, peer)
-    verdicts = target_verdicts(results, pgbench_results, peer)
+    verdicts = target_verdicts(results, pgbench_results, peer) + http_verdicts(results, baselines, costs, sdk_drain)
     print("\n" + table + "\n")
     for verdict in verdicts:
         print(verdict)
@@ -1660,9 +1862,10 @@ def main(argv: list[str] | None = None) -> int:
         RECORD_PATH.write_text(existing.rstrip("\n") + "\n\n" + section)
         print(f"\nrecorded in {RECORD_PATH.relative_to(ROOT)}")
     if args.json:
-        write_json(args.json, json_figures(RunFigures(results, baselines, peer, service_sql, args.batch)))
+        figures = RunFigures(results, baselines, peer, service_sql, args.batch, costs, sdk_drain)
+        write_json(args.json, json_figures(figures))
         print(f"\nfigures written to {args.json}")
-    verified = [r.verification["ok"] for r in results] + ([peer.verification["ok"]] if peer else [])
+    verified = [r.verification["ok"] for r in results] + [x.verification["ok"] for x in (peer, sdk_drain) if x]
     return 0 if all(verified) else 1
 
 
@@ -1726,6 +1929,41 @@ def target_verdicts(results: list[ScenarioResult], baselines: dict[int, PgbenchR
             cost += f" vs {theirs:.2f} ms per pgbench transaction = {theirs / ours_ms:.2f}x cost ratio"
         parts.append(cost)
         lines.append(" ".join(parts))
+    return lines
+
+
+def http_verdicts(
+    results: list[ScenarioResult],
+    baselines: dict[int, float],
+    costs: RequestCosts | None,
+    sdk_drain: SdkDrain | None,
+) -> list[str]:
+    """Return the issue-15 verdicts: batched HTTP pipeline and SDK drain vs pgbench, CPU per request."""
+
+    def verdict(ratio: float, target: float) -> str:
+        return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
+
+    lines = []
+    for r in results:
+        tps = baselines.get(r.workers)
+        if r.mode != "http batched" or tps is None:
+            continue
+        lines.append(
+            f"W={r.workers}: HTTP batched pipeline {r.pipeline_rate:.0f} tasks/s vs pgbench -N {tps:.0f} TPS = "
+            + verdict(r.pipeline_rate / tps, HTTP_BATCHED_PIPELINE_TARGET)
+        )
+    tps = baselines.get(JSON_WORKERS) or (max(baselines.values()) if baselines else None)
+    if sdk_drain and tps:
+        lines.append(
+            f"SDK consume drain {sdk_drain.drain_rate:.0f} tasks/s vs pgbench -N {tps:.0f} TPS = "
+            + verdict(sdk_drain.drain_rate / tps, SDK_DRAIN_TARGET)
+        )
+    for op, target in REQUEST_CPU_MS_TARGETS.items() if costs else []:
+        ms = costs.uvicorn_ms[op]
+        lines.append(
+            f"server CPU per unbatched {op}: {ms:.2f} ms "
+            f"(target <= {target} ms: {'met' if ms <= target else 'NOT met'})"
+        )
     return lines
 
 

@@ -11,9 +11,25 @@ class CoordinationConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Register the OpenAPI description of the API-key authentication; keep keys out of every log."""
+        """Register the OpenAPI description of the API-key authentication; keep keys out of every log.
+
+        Also: a process that saves or deletes an API key or a mailbox forgets its cached copy
+        at once (``coordination.process_cache``).
+        """
+        from django.db.models.signals import post_delete, post_save
+
+        from coordination import process_cache
         from coordination.api import schema  # noqa: F401 - registers the extension
         from coordination.logging import redact_every_handler
+        from coordination.models import ApiKey, Mailbox
+
+        for model in (ApiKey, Mailbox):
+            post_save.connect(
+                process_cache.forget_row, sender=model, dispatch_uid=f"process_cache.{model.__name__}.save"
+            )
+            post_delete.connect(
+                process_cache.forget_row, sender=model, dispatch_uid=f"process_cache.{model.__name__}.delete"
+            )
 
         # Logging is configured by now (uvicorn's before it imported the app, Django's at setup).
         redact_every_handler()

@@ -28,3 +28,8 @@ def parse_fence_id(prefix: str, value: object) -> tuple[uuid.UUID, int]:
     if found_prefix != prefix:
         raise ValueError(found_prefix)
     return uuid.UUID(hex=object_hex), int(attempt)
+
+
+def path_ids(path: str) -> list[uuid.UUID]:
+    """Return the run ids of a run path (``/<root>/.../<run>/``), root first."""
+    return [uuid.UUID(part) for part in path.split("/") if part]

@@ -20,7 +20,8 @@ an event row:
 Waiters on ``ANY_TOPIC`` (event-log readers, SSE streams) wake on every notification.
 
 One thread per process holds a ``LISTEN`` connection and wakes the asyncio waiters
-registered for any topic of a payload. Waiters subscribe *before* they read the database,
+registered for any topic of a payload. (The same connection listens on
+``process_cache.CHANNEL`` for changed API keys and mailboxes.) Waiters subscribe *before* they read the database,
 so a notification can never fall between their read and their wait; after a reconnect
 every waiter is woken once to re-read, since notifications sent while disconnected are
 lost. On SQLite there is no NOTIFY and waiters poll on a short interval instead.
@@ -34,6 +35,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from django.db import connections
+
+from coordination import process_cache
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ class NotificationHub:
         self._listening = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._epoch = 0  # counts the LISTEN connections made, for process_cache
 
     @staticmethod
     def enabled() -> bool:
@@ -107,6 +111,11 @@ class NotificationHub:
         thread.join(timeout_s)
         self._thread = None
         self._stopping.clear()
+
+    def start(self) -> None:
+        """Start the LISTEN thread if it is not running (it connects in the background)."""
+        if self.enabled():
+            self._ensure_thread()
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -144,7 +153,8 @@ class NotificationHub:
         for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
             params.pop(key, None)
         conn = psycopg.connect(**params, autocommit=True)
-        conn.execute(f"LISTEN {CHANNEL}")
+        conn.execute(f"LISTEN {process_cache.CHANNEL}")
+        conn.execute(f"LISTEN {CHANNEL}")  # last: pg_stat_activity shows it (the restart tests look for it)
         return conn
 
     def _listen_forever(self) -> None:
@@ -158,16 +168,22 @@ class NotificationHub:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
+            self._epoch += 1
+            process_cache.on_listening(self._epoch)
             # Wake first, then announce: a waiter resuming from ready() already has its wake-up.
             self._wake_all()
             self._listening.set()
             try:
                 while not self._stopping.is_set():
                     for notify in conn.notifies(timeout=0.5):
-                        self._dispatch(notify.payload)
+                        if notify.channel == CHANNEL:
+                            self._dispatch(notify.payload)
+                        else:
+                            process_cache.on_notification(notify.payload)
             except Exception:  # noqa: BLE001 - reconnect below
                 logger.warning("LISTEN connection lost; reconnecting", exc_info=True)
             finally:
+                process_cache.on_listening(None)
                 self._listening.clear()
                 try:
                     conn.close()

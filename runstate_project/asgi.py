@@ -1,34 +1,146 @@
 """ASGI entry point: uvicorn (``scripts/start``, production) and ``manage.py runserver`` (daphne) serve it.
 
-Requests under ``/v1/`` go through a middleware stack of their own (``API_MIDDLEWARE``: request
-id and logging, security headers): the API authenticates with keys, so sessions, CSRF, the
-admin's user and messages stay on the admin's stack (``MIDDLEWARE``). Under ASGI each
-synchronous middleware costs a thread hop per request, so the API's stack is kept short.
+Requests under ``/v1/`` go through a handler of their own (``ApiASGIHandler``):
+
+- a middleware stack of their own (``API_MIDDLEWARE``: request id and logging, security
+  headers): the API authenticates with keys, so sessions, CSRF, the admin's user and
+  messages stay on the admin's stack (``MIDDLEWARE``). Under ASGI each synchronous
+  middleware costs a thread hop per request, so the API's stack is short and async;
+- a request to a synchronous view (every view but the long-polls and the event stream)
+  crosses to a thread once: the request-started signal, the middleware, the view and the
+  request-finished signal (which gives the database connection back to the pool) run in
+  one call there. Django's own handler crosses three times (the signals and the view each
+  on their own) and watches for a disconnect that cannot stop a synchronous view anyway.
+  Asynchronous views take Django's path unchanged;
+- that thread is taken from a small pool of idle ones, rather than started for the request
+  and ended with it;
+- the process caches of API keys and mailboxes are on (``coordination/process_cache.py``).
 """
 
+import functools
 import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 
+from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
 from django.conf import settings
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core import signals
 from django.core.asgi import get_asgi_application
-from django.core.handlers.asgi import ASGIHandler
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.core.handlers.base import BaseHandler
+from django.urls import URLResolver, get_resolver, set_script_prefix
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
 
 API_PREFIX = "/v1/"
+# Idle request threads a process keeps for the next requests; a burst beyond it (long-polls
+# waiting by the hundred) gets threads of its own that end with their requests.
+IDLE_REQUEST_THREADS = 32
+
+
+def _load_api_middleware(handler: BaseHandler, is_async: bool) -> None:
+    """Build ``handler``'s middleware chain from ``API_MIDDLEWARE`` instead of ``MIDDLEWARE``."""
+    # BaseHandler reads settings.MIDDLEWARE while it builds the chain, once, at start-up.
+    full = settings.MIDDLEWARE
+    settings.MIDDLEWARE = settings.API_MIDDLEWARE
+    try:
+        BaseHandler.load_middleware(handler, is_async)
+    finally:
+        settings.MIDDLEWARE = full
+
+
+class _SyncApiHandler(BaseHandler):
+    """The API's middleware chain in its synchronous form, for synchronous views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _load_api_middleware(self, is_async=False)
 
 
 class ApiASGIHandler(ASGIHandler):
-    """Django's ASGI handler, with ``API_MIDDLEWARE`` in place of ``MIDDLEWARE``."""
+    """Django's ASGI handler for ``/v1/``: ``API_MIDDLEWARE``, one thread hop per synchronous view, pooled threads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sync = _SyncApiHandler()
+        self._idle: list[ThreadPoolExecutor] = []
+        self._caches_on = False
+
+    async def __call__(self, scope, receive, send):  # noqa: D102 - see the class
+        if scope["type"] != "http":
+            raise ValueError(f"The API serves only HTTP connections, not {scope['type']}.")
+        if not self._caches_on:
+            from coordination import process_cache
+
+            self._caches_on = True
+            process_cache.enable()
+        # One thread for all of this request's synchronous work, as Django's own handler
+        # gives it (ThreadSensitiveContext), but one that served an earlier request.
+        executor = self._idle.pop() if self._idle else ThreadPoolExecutor(1, thread_name_prefix="runstate-api")
+        try:
+            async with ThreadSensitiveContext(executor=executor):
+                await self.handle(scope, receive, send)
+        finally:
+            if len(self._idle) < IDLE_REQUEST_THREADS:
+                self._idle.append(executor)
+            else:
+                executor.shutdown(wait=False)
 
     def load_middleware(self, is_async=False):  # noqa: D102
-        # BaseHandler reads settings.MIDDLEWARE while it builds the chain, once, at start-up.
-        full = settings.MIDDLEWARE
-        settings.MIDDLEWARE = settings.API_MIDDLEWARE
+        _load_api_middleware(self, is_async)
+
+    async def handle(self, scope, receive, send):  # noqa: D102 - see the class
+        if _view_is_async(scope["path"]):
+            return await super().handle(scope, receive, send)
         try:
-            super().load_middleware(is_async)
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        try:
+            set_script_prefix(get_script_prefix(scope))
+            response = await sync_to_async(self._respond, thread_sensitive=True)(scope, body_file)
+            await self.send_response(response, send)
+            if response.streaming:
+                await sync_to_async(response.close, thread_sensitive=True)()
         finally:
-            settings.MIDDLEWARE = full
+            body_file.close()
+
+    def _respond(self, scope, body_file):
+        """Answer a request to a synchronous view, from the request-started signal to the request-finished one."""
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, response = self.create_request(scope, body_file)
+        if request is not None:
+            response = self._sync.get_response(request)
+        response._handler_class = self.__class__
+        if not response.streaming:
+            # The body is rendered: finish the request here (request_finished gives the
+            # thread's database connection back to the pool) rather than in another hop.
+            response.close()
+        return response
+
+
+def _view_is_async(path: str) -> bool:
+    """Tell whether the view at ``path`` is ``async`` (a long-poll, the event stream)."""
+    return _async_routes().match(path) is not None
+
+
+@functools.cache
+def _async_routes() -> re.Pattern:
+    """One pattern matching the paths of every ``async`` view (resolving each path costs more)."""
+
+    def routes(resolver: URLResolver, prefix: str):
+        for pattern in resolver.url_patterns:
+            regex = prefix + pattern.pattern.regex.pattern.removeprefix("^")
+            if isinstance(pattern, URLResolver):
+                yield from routes(pattern, regex)
+            elif iscoroutinefunction(pattern.callback):
+                yield regex
+
+    # Named groups would clash between alternatives; only whether one matches counts.
+    found = [re.sub(r"\(\?P<\w+>", "(?:", regex) for regex in routes(get_resolver(), "^/")]
+    return re.compile("|".join(f"(?:{regex})" for regex in found) or r"(?!)")
 
 
 def _route(api, site):

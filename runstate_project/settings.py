@@ -72,7 +72,7 @@ MIDDLEWARE = [
 # and needs no session, CSRF, user or messages middleware.
 API_MIDDLEWARE = [
     "coordination.logging.RequestContextMiddleware",
-    "django.middleware.security.SecurityMiddleware",
+    "coordination.api.middleware.ApiSecurityMiddleware",
 ]
 
 ROOT_URLCONF = "runstate_project.urls"
@@ -234,6 +234,10 @@ RUNSTATE_ETA_HORIZON_S = int(os.environ.get("RUNSTATE_ETA_HORIZON_S", "300"))
 RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAYS", "7"))
 # Requests per API key per window ("<count>/<s|min|h|day>"; "off" disables): 429 RATE_LIMITED beyond.
 RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "6000/min")
+# Seconds an API process keeps an API key or mailbox it read (0: off). A change to either row
+# reaches every process through NOTIFY at once (coordination/process_cache.py); this bounds
+# how long an entry lives regardless.
+RUNSTATE_PROCESS_CACHE_S = float(os.environ.get("RUNSTATE_PROCESS_CACHE_S", "5"))
 # Seconds without events after which an event stream sends a keepalive comment.
 RUNSTATE_SSE_HEARTBEAT_S = float(os.environ.get("RUNSTATE_SSE_HEARTBEAT_S", "15"))
 

@@ -67,6 +67,19 @@ def anon():
     return APIClient()
 
 
+@pytest.fixture(autouse=True)
+def _process_caches_off():
+    """Leave the process caches off after a test that served a request through the ASGI app.
+
+    The app turns them on (as in every API process); the other tests read keys and mailboxes
+    straight from the database, inside their own transactions.
+    """
+    yield
+    from coordination import process_cache
+
+    process_cache.disable()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_listener_before_dropping_the_database(django_db_setup):
     """Close the NOTIFY listener's connection so the test database can be dropped."""

@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 
 from coordination.models import Barrier, Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup, Timer
-from coordination.selectors import EffectiveState, event_cursor
+from coordination.selectors import EffectiveState, event_cursor, mailbox_names
 from coordination.services.claims import Claim
 from coordination.services.messages import Delivery
 from coordination.states import TaskState
@@ -58,11 +58,18 @@ def present_mailbox(mailbox: Mailbox) -> dict:
     }
 
 
+def _mailbox_name(task: Task) -> str:
+    """Return the task's mailbox name: from the loaded mailbox, else from the names already read."""
+    if Task.mailbox.is_cached(task):
+        return task.mailbox.name
+    return mailbox_names([task])[task.mailbox_id]
+
+
 def present_task(task: Task, mailbox_name: str | None = None) -> dict:
     """Return the API shape of a task."""
     return {
         "id": str(task.id),
-        "mailbox": mailbox_name or task.mailbox.name,
+        "mailbox": mailbox_name or _mailbox_name(task),
         "runId": str(task.run_id),
         "key": task.key,
         "input": task.input,

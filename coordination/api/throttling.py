@@ -74,6 +74,17 @@ class LocalWindows:
         return count, ends_at - now
 
 
+# One round trip and one command (EVALSHA): the window starts, with its expiry, at its first
+# request; later requests only add to it. Atomic, as every Lua script is.
+_COUNT_SCRIPT = """
+local count = redis.call('INCRBY', KEYS[1], ARGV[1])
+if count == tonumber(ARGV[1]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return {count, redis.call('PTTL', KEYS[1])}
+"""
+
+
 class RedisWindows:
     """Windows counted in Redis, shared by every process using the same broker."""
 
@@ -81,17 +92,13 @@ class RedisWindows:
         import redis
 
         self._client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+        self._count = self._client.register_script(_COUNT_SCRIPT)
 
     def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
         """Count ``cost`` requests; return the window's count and the seconds until it ends."""
         name = f"runstate:ratelimit:{key}:{rate.count}/{rate.period_s}"
-        pipe = self._client.pipeline(transaction=True)
-        # SET NX starts the window with its expiry; INCR keeps the expiry.
-        pipe.set(name, 0, ex=rate.period_s, nx=True)
-        pipe.incrby(name, cost)
-        pipe.pttl(name)
-        _, count, ttl_ms = pipe.execute()
-        return int(count), max(ttl_ms, 0) / 1000
+        count, ttl_ms = self._count(keys=[name], args=[cost, rate.period_s * 1000])
+        return int(count), max(int(ttl_ms), 0) / 1000
 
 
 class Limiter:

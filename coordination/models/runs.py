@@ -5,7 +5,7 @@ import uuid
 from django.db import models
 from django.utils import timezone
 
-from coordination.ids import uuid7
+from coordination.ids import path_ids, uuid7
 from coordination.states import RunState
 
 MAX_DEPTH = 64
@@ -61,7 +61,7 @@ class Run(models.Model):
     @property
     def chain_ids(self) -> list[uuid.UUID]:
         """Return the ids of the root, every ancestor and the run itself, root first."""
-        return [uuid.UUID(part) for part in self.path.split("/") if part]
+        return path_ids(self.path)
 
     @property
     def ancestor_ids(self) -> list[uuid.UUID]:

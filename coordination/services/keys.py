@@ -11,7 +11,7 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination import exceptions, process_cache
 from coordination.models import ApiKey, Project, Run
 from coordination.states import Permission
 
@@ -84,16 +84,22 @@ def api_key_authenticate(plaintext: str) -> ApiKey | None:
     parts = plaintext.split("_", 2)
     if len(parts) != 3 or parts[0] != "rs" or len(parts[1]) != KEY_PREFIX_LENGTH:
         return None
-    api_key = ApiKey.objects.select_related("project", "run").filter(prefix=parts[1]).first()
+    digest = hash_key(plaintext)
+    # Cached by the whole key's digest: a hit is a key whose secret matched when it was read.
+    api_key = process_cache.api_keys.load(digest, lambda: _matching_key(parts[1], digest))
     if api_key is None:
-        # Compare anyway so an unknown prefix costs the same as a wrong secret.
-        hmac.compare_digest(hash_key(plaintext), "0" * 64)
-        return None
-    if not hmac.compare_digest(hash_key(plaintext), api_key.key_hash):
         return None
     if not api_key.is_usable(timezone.now()):
         return None
     return api_key
+
+
+def _matching_key(prefix: str, digest: str) -> ApiKey | None:
+    """Return the key with ``prefix`` if its hash is ``digest``, else None."""
+    api_key = ApiKey.objects.select_related("project", "run").filter(prefix=prefix).first()
+    # Compare even when there is no such key, so an unknown prefix costs what a wrong secret does.
+    matches = hmac.compare_digest(digest, api_key.key_hash if api_key is not None else "0" * 64)
+    return api_key if matches and api_key is not None else None
 
 
 @transaction.atomic

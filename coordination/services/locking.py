@@ -14,6 +14,7 @@ from django.db import connection
 from django.utils import timezone
 
 from coordination import exceptions
+from coordination.ids import path_ids
 from coordination.models import Run
 from coordination.states import RunState
 
@@ -67,7 +68,7 @@ def run_chain_lock(run_id: uuid.UUID, *, project_id, target_mode: LockMode = Loc
     path = Run.objects.filter(id=run_id, project_id=project_id).values_list("path", flat=True).first()
     if path is None:
         raise exceptions.NotFound("Run not found.", runId=str(run_id))
-    chain_ids = [uuid.UUID(part) for part in path.split("/") if part]
+    chain_ids = path_ids(path)
     if target_mode is LockMode.KEY_SHARE:
         return _lock_runs(chain_ids, LockMode.KEY_SHARE)
     ancestors = _lock_runs(chain_ids[:-1], LockMode.KEY_SHARE)

@@ -5,7 +5,7 @@ import uuid
 
 from django.db import transaction
 
-from coordination import exceptions
+from coordination import exceptions, process_cache
 from coordination.models import Mailbox
 from coordination.states import MailboxMode
 
@@ -70,7 +70,14 @@ def mailbox_ensure(
 def mailbox_get(*, project_id: uuid.UUID, name: str, mode: MailboxMode | None = None) -> Mailbox:
     """Return the project's mailbox ``name``; ``mode`` given, refuse another mode."""
     # No mailbox has a name ensure refuses; asking the database could fail on it (a NUL).
-    mailbox = Mailbox.objects.filter(project_id=project_id, name=name).first() if NAME_PATTERN.match(name) else None
+    mailbox = (
+        process_cache.mailboxes.load(
+            (project_id, name),
+            lambda: Mailbox.objects.filter(project_id=project_id, name=name).first(),
+        )
+        if NAME_PATTERN.match(name)
+        else None
+    )
     if mailbox is None:
         raise exceptions.NotFound("Mailbox not found.", mailbox=name)
     if mode is not None and mailbox.mode != mode:

@@ -17,6 +17,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from coordination import exceptions
+from coordination.ids import path_ids
 from coordination.models import Event, Mailbox, Run, Task, TaskGroup
 from coordination.services import dispatch, sql
 from coordination.services.cascade import SubtreeEnd, subtree_rows_end
@@ -38,7 +39,7 @@ def record(task: Task, type: str, **data) -> None:
 
 def run_refusal(task: Task, now: datetime) -> exceptions.Conflict | None:
     """Return what the task's run chain answers to work on it now (None when active)."""
-    chain = list(Run.objects.filter(id__in=[uuid.UUID(p) for p in task.run_path.split("/") if p]).order_by("depth"))
+    chain = list(Run.objects.filter(id__in=path_ids(task.run_path)).order_by("depth"))
     return chain_refusal(chain, now)
 
 

@@ -11,11 +11,14 @@ server accepts one, or refuses only because it is full — it waits for the pool
 One check serves every request of the process for a second.
 """
 
+import select
 import threading
 import time
 
+import psycopg
 from django.core.exceptions import ImproperlyConfigured
 from django.db.backends.postgresql import base
+from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 # How long a request waits for a pooled connection before checking that the server is up.
@@ -34,6 +37,26 @@ FULL_SERVER_MESSAGES = ("too many clients", "too many connections", "remaining c
 def _server_is_full(refused: Exception) -> bool:
     message = str(refused).lower()
     return any(full in message for full in FULL_SERVER_MESSAGES)
+
+
+def check_idle_connection(conn: psycopg.Connection) -> None:
+    """Refuse a pooled connection the server has closed, without a round trip to the server.
+
+    psycopg_pool's own check (``ConnectionPool.check_connection``) sends an empty query on
+    every checkout: a round trip per request. An idle connection has nothing to read, so a
+    socket with something to read means the server wrote to it unasked: the notice it sends
+    when it shuts down or ends the session (a restart, ``pg_terminate_backend``), or the end
+    of the stream. Such a connection is closed here, and the pool hands out another. A
+    connection that died silently (a network partition) still fails on its first query,
+    with ``503 SERVICE_UNAVAILABLE``, as it would after any check.
+    """
+    pgconn = conn.pgconn
+    if pgconn.status != ConnStatus.OK or pgconn.transaction_status != TransactionStatus.IDLE:
+        raise psycopg.OperationalError("the pooled connection is not idle")
+    readable, _, _ = select.select([pgconn.socket], [], [], 0)
+    if readable:
+        conn.close()
+        raise psycopg.OperationalError("the server closed the pooled connection, or wrote to it unasked")
 
 
 class FailFastPool(ConnectionPool):
@@ -94,7 +117,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
                 kwargs=connect_kwargs,
                 open=False,
                 configure=self._configure_connection,
-                check=ConnectionPool.check_connection if self.settings_dict["CONN_HEALTH_CHECKS"] else None,
+                check=check_idle_connection if self.settings_dict["CONN_HEALTH_CHECKS"] else None,
                 **({} if pool_options is True else pool_options),
             )
             # The first thread to build a pool wins (none is opened until it is used).

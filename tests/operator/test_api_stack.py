@@ -1,6 +1,7 @@
 """Requests under /v1/ take the API's short middleware stack; the admin keeps Django's full one."""
 
 import asyncio
+import re
 
 import pytest
 from asgiref.testing import ApplicationCommunicator
@@ -48,3 +49,39 @@ async def scenario():
     assert status == 200
     assert admin.get(b"x-frame-options") == b"DENY"
     assert b"x-request-id" in admin
+
+
+def test_every_api_route_is_sent_down_the_path_its_view_needs():
+    """Synchronous views take the one-hop path; async views (long-polls, streams) Django's own."""
+    from asgiref.sync import iscoroutinefunction
+    from django.urls import URLResolver, get_resolver
+
+    from runstate_project.asgi import _view_is_async
+
+    def routes(resolver, prefix):
+        for pattern in resolver.url_patterns:
+            regex = prefix + pattern.pattern.regex.pattern.removeprefix("^")
+            if isinstance(pattern, URLResolver):
+                yield from routes(pattern, regex)
+            else:
+                yield regex, pattern.callback
+
+    checked = {True: 0, False: 0}
+    for regex, callback in routes(get_resolver(), "^/"):
+        # A path of the route: every parameter "x", every anchor and optional slash dropped.
+        path = re.sub(r"\(\?P<\w+>[^)]*\)", "x", regex).removeprefix("^").removesuffix(r"\Z").replace("/?", "/")
+        if not path.startswith("/v1/") or "(" in path or "\\" in path:
+            continue
+        expected = iscoroutinefunction(callback)
+        assert _view_is_async(path) is expected, (path, callback)
+        checked[expected] += 1
+    assert checked[True] >= 8 and checked[False] >= 30, checked
+
+
+def test_a_sync_view_answers_through_the_one_hop_path_with_its_middleware():
+    async def scenario():
+        status, headers = await call("/v1/nope")
+        assert status == 404
+        assert b"x-request-id" in headers and headers.get(b"x-content-type-options") == b"nosniff"
+
+    asyncio.run(scenario())

@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
-from runstate_project.postgresql.base import FailFastPool
+from runstate_project.postgresql.base import FailFastPool, check_idle_connection
 from tests.processes import free_port, stop_process_groups
 from tests.reliability.ledger import Ledger
 from tests.reliability.throwaway import (  # noqa: F401 - fixtures
@@ -615,7 +615,7 @@ def test_c_the_pool_refuses_at_once_while_the_server_is_down_and_serves_once_it_
             max_size=2,
             timeout=30,
             reconnect_timeout=5,
-            check=ConnectionPool.check_connection,
+            check=check_idle_connection,  # as the project's settings configure it
             open=True,
         )
 

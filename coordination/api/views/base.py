@@ -4,6 +4,7 @@ from adrf.views import APIView as AsyncAPIView
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework.views import APIView
 
+from coordination.api.bodies import plain_body
 from coordination.api.serializers import ErrorOut
 from coordination.selectors import Visibility
 
@@ -40,7 +41,14 @@ class ApiView(APIView):
         return self.request.user.api_key.project_id
 
     def body(self, serializer_class) -> dict:
-        """Validate the JSON body with ``serializer_class`` and return the validated data."""
+        """Validate the JSON body with ``serializer_class`` and return the validated data.
+
+        A plain body is checked by the serializer's fields without building the serializer
+        (``coordination.api.bodies``); anything else gets the serializer and its exact errors.
+        """
+        data = plain_body(serializer_class, self.request.data)
+        if data is not None:
+            return data
         serializer = serializer_class(data=self.request.data)
         serializer.is_valid(raise_exception=True)
         return serializer.validated_data

@@ -55,7 +55,7 @@ class TaskSubmitView(ApiView):
         """Submit a task under ``runId``; the same ``key`` and input answer the existing task (200)."""
         data = self.body(s.TaskSubmitIn)
         mailbox = mailbox_get(project_id=self.project_id, name=name, mode=MailboxMode.WORK)
-        run = selectors.run_get(self.visibility, data["runId"])
+        run = selectors.run_ref(self.visibility, data["runId"])
         task, created = task_services.task_submit(
             project_id=self.project_id,
             mailbox=mailbox,
@@ -96,7 +96,7 @@ class TaskBatchSubmitView(ApiView):
         """
         data = self.body(s.TaskBatchIn)
         mailbox = mailbox_get(project_id=self.project_id, name=name, mode=MailboxMode.WORK)
-        run = selectors.run_get(self.visibility, data["runId"])
+        run = selectors.run_ref(self.visibility, data["runId"])
         answers = task_services.tasks_submit_many(
             project_id=self.project_id,
             mailbox=mailbox,
@@ -174,7 +174,7 @@ class ClaimCollectionView(AsyncApiView):
 
         def lookup():
             mailbox = mailbox_get(project_id=project_id, name=name, mode=MailboxMode.WORK)
-            return mailbox, selectors.run_get(visibility, data["runId"])
+            return mailbox, selectors.run_ref(visibility, data["runId"])
 
         mailbox, run = await in_request(lookup)
 

@@ -1,0 +1,68 @@
+"""Request bodies validated without building a serializer per request.
+
+A DRF serializer deep-copies its declared fields every time one is built, and a hot endpoint
+builds one per request. For a flat request serializer (no nested serializer, no
+``validate`` / ``validate_<field>`` or other checks of its own) the same checks can run on fields built
+once: ``plain_body(SerializerClass, data)`` runs each field's own ``run_validation`` on a
+copy of the fields made at first use, and returns the validated data exactly as
+``serializer.validated_data`` would. When anything is off (an unknown or missing field, a
+value a field refuses, a serializer it cannot handle) it returns None, and the caller builds
+the serializer, which answers with its exact error. The OpenAPI schema still comes from the
+serializer classes (``tests/coordination/test_plain_bodies.py`` shows the two agree).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from rest_framework import serializers
+from rest_framework.fields import SkipField
+
+from coordination.api.serializers import StrictSerializer
+
+# What a serializer class may define to check more than its fields do; StrictSerializer's
+# own to_internal_value (unknown fields are refused) is what plain_body does itself.
+_OWN_VALIDATION = {"validate", "to_internal_value", "run_validation", "run_validators", "is_valid"}
+_UNSUPPORTED = object()
+_fields_by_class: dict[type, Any] = {}
+
+
+def _fields(serializer_class: type[serializers.Serializer]) -> Any:
+    """Return the bound fields of ``serializer_class`` if it is flat, else ``_UNSUPPORTED``; built once per class."""
+    found = _fields_by_class.get(serializer_class)
+    if found is None:
+        own_validation = any(
+            name in _OWN_VALIDATION or name.startswith("validate_")
+            for klass in serializer_class.__mro__
+            if not klass.__module__.startswith("rest_framework.") and klass is not StrictSerializer
+            for name in vars(klass)
+        )
+        prototype = serializer_class()
+        fields = prototype.fields
+        nested = any(isinstance(field, serializers.BaseSerializer) for field in fields.values())
+        found = _UNSUPPORTED if own_validation or nested else dict(fields)
+        _fields_by_class[serializer_class] = found
+    return found
+
+
+def plain_body(serializer_class: type[serializers.Serializer], data: object) -> dict | None:
+    """Return ``data`` validated by ``serializer_class``'s fields, or None to let the serializer decide."""
+    fields = _fields(serializer_class)
+    if fields is _UNSUPPORTED or not isinstance(data, Mapping) or not data.keys() <= fields.keys():
+        return None
+    validated = {}
+    try:
+        for name, field in fields.items():
+            if field.read_only:
+                continue
+            if name in data:
+                validated[name] = field.run_validation(data[name])
+            elif field.required:
+                return None
+            else:
+                try:
+                    validated[name] = field.get_default()
+                except SkipField:
+                    pass
+    except serializers.ValidationError:
+        return None
+    return validated
