@@ -21,10 +21,10 @@ Waiters on ``ANY_TOPIC`` (event-log readers, SSE streams) wake on every notifica
 
 One thread per process holds a ``LISTEN`` connection and wakes the asyncio waiters
 registered for any topic of a payload. (The same connection listens on
-``process_cache.CHANNEL`` for changed API keys and mailboxes.) Waiters subscribe *before* they read the database,
-so a notification can never fall between their read and their wait; after a reconnect
-every waiter is woken once to re-read, since notifications sent while disconnected are
-lost. On SQLite there is no NOTIFY and waiters poll on a short interval instead.
+``process_cache.CHANNEL`` for changed API keys and mailboxes.) Waiters subscribe *before*
+they read the database, so a notification can never fall between their read and their
+wait; after a reconnect every waiter is woken once to re-read, since notifications sent
+while disconnected are lost. On SQLite there is no NOTIFY and waiters poll on a short interval instead.
 """
 
 import asyncio
