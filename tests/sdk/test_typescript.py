@@ -53,7 +53,8 @@ def require_node() -> str:
     version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False).stdout.strip()
     match = re.match(r"v(\d+)\.", version)
     if match is None or int(match.group(1)) < NODE_MAJOR:
-        pytest.fail(f"The TypeScript SDK needs Node.js >= {NODE_MAJOR}; {node} is {version or 'unknown'}.", pytrace=False)
+        found = version or "of an unknown version"
+        pytest.fail(f"The TypeScript SDK needs Node.js >= {NODE_MAJOR}; {node} is {found}.", pytrace=False)
     return node
 
 
