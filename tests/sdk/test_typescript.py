@@ -100,7 +100,7 @@ def test_the_node_test_suite_passes_against_the_live_server(sdk, make_key, built
     files = sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "dist" / "test").glob("*.test.js"))
     assert files, "no compiled test files under sdk/typescript/dist/test"
     pattern = os.environ.get("RUNSTATE_TS_TEST_PATTERN")  # narrow the suite while developing
-    command = [built_package, "--test", "--test-concurrency=4", "--test-reporter=spec"]
+    command = [built_package, "--test", "--test-concurrency=2", "--test-reporter=spec"]
     if pattern:
         command.append(f"--test-name-pattern={pattern}")
     result = run([*command, *files], timeout=840, env=env)

@@ -187,7 +187,7 @@ describe('errors and retries (a fake fetch)', () => {
   });
 });
 
-describe('against the live service', { concurrency: true }, () => {
+describe('against the live service', { concurrency: true, timeout: 180_000 }, () => {
   test('errors from the service: not found, conflict codes, validation, authentication', async () => {
     const rs = new Runstate();
     await assert.rejects(rs.scope('01a2b3c4-0000-7000-8000-000000000000').status(), NotFoundError);

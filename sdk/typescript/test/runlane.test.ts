@@ -13,7 +13,8 @@ import { after, before, describe, test } from 'node:test';
 import { Runstate, task, type Schema, type TaskContext, type TaskData, type Ticket, type Worker } from '../src/index.js';
 import { unique, until } from './support.js';
 
-const LEASE_TTL_MS = 1500; // renewals every 0.5 s
+// Renewals every second: room for a slow request on a busy machine (or SQLite) before the lease runs out.
+const LEASE_TTL_MS = 3000;
 
 /** A search API that never answers a rebuild: it records each request and whether the client hung up. */
 class SlowSearchApi {
@@ -88,13 +89,17 @@ async function scenario(cooperate: boolean): Promise<{ requested: TaskData; task
   const running = worker.run();
   const before = api.requests.length;
   await until(() => api.requests.length > before, 'the handler to call the search API');
-  const requested = await ticket.cancel({ reason: 'customer_deleted_project' });
-  const recorded = await ticket.result({ timeoutMs: 10_000 });
-  worker.stop();
-  return { requested, task: recorded, summary: await running };
+  try {
+    const requested = await ticket.cancel({ reason: 'customer_deleted_project' });
+    const recorded = await ticket.result({ timeoutMs: 20_000 });
+    worker.stop();
+    return { requested, task: recorded, summary: await running };
+  } finally {
+    worker.stop();
+  }
 }
 
-describe('Runlane: cancel runs (cooperative cancellation through context.signal)', () => {
+describe('Runlane: cancel runs (cooperative cancellation through context.signal)', { timeout: 180_000 }, () => {
   before(async () => {
     await api.start();
     env.SEARCH_API_URL = api.url;

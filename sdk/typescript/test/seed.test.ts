@@ -98,7 +98,7 @@ function printer(): { console: Printer; lines: string[] } {
 
 const PRELUDE = ['  const rs = new Runstate(); // RUNSTATE_URL and RUNSTATE_API_KEY from the environment'];
 
-describe('the TypeScript blocks of the reference document', { concurrency: true }, () => {
+describe('the TypeScript blocks of the reference document', { concurrency: true, timeout: 600_000 }, () => {
   test('the document has the five TypeScript blocks this file runs, and no other', () => {
     assert.deepEqual(
       BLOCKS.map((candidate) => candidate.heading),

@@ -46,7 +46,7 @@ async function prepare(rs: Runstate, mailbox: string, leaseTtlMs: number) {
   return { run, ticket };
 }
 
-describe('consume', { concurrency: true }, () => {
+describe('consume', { concurrency: true, timeout: 240_000 }, () => {
   test('two consumers drain 200 tasks exactly once', async () => {
     const rs = new Runstate();
     const mailbox = unique('drain');
