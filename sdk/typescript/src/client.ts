@@ -48,9 +48,10 @@ export class Events {
    * With `waitMs` (30 s at most), an empty page waits that long for the next event.
    * `nextCursor` is never null: pass it as `after` to continue.
    */
-  list(options: EventFilter & { after?: string; limit?: number; waitMs?: number } = {}): Promise<EventPage> {
+  list(options: EventFilter & { after?: string; limit?: number; waitMs?: number; signal?: AbortSignal } = {}): Promise<EventPage> {
     const wait = options.waitMs ? Math.min(options.waitMs, MAX_SERVER_WAIT_MS) : 0;
     return this.http.request('GET', '/events', {
+      signal: options.signal,
       idempotent: true,
       query: {
         after: options.after,
@@ -69,7 +70,13 @@ export class Events {
   ): AsyncGenerator<EventData> {
     let cursor = options.after;
     while (!options.signal?.aborted) {
-      const page = await this.list({ ...options, after: cursor, waitMs: MAX_SERVER_WAIT_MS } as Parameters<Events['list']>[0]);
+      let page: EventPage;
+      try {
+        page = await this.list({ ...options, after: cursor, waitMs: MAX_SERVER_WAIT_MS });
+      } catch (error) {
+        if (options.signal?.aborted) return;
+        throw error;
+      }
       for (const event of page.events) {
         if (options.signal?.aborted) return;
         yield event;

@@ -301,8 +301,16 @@ describe('against the live service', { concurrency: true, timeout: 180_000 }, ()
   test('events: list with a cursor, follow, and the SSE stream (for await over rs.events)', async () => {
     const rs = new Runstate();
     const run = await rs.scopes.create();
-    const start = await rs.events.list({ runId: run.id });
-    assert.ok(start.events.some((event) => event.type === 'run.created' && event.runId === run.id));
+    // A cursor reader sees an event once no older transaction can still commit before it (DESIGN.md
+    // "Events"), which may be a moment later on a busy cluster: follow the log until it shows up.
+    let created: EventData | undefined;
+    for await (const event of rs.events.follow({ runId: run.id, signal: AbortSignal.timeout(60_000) })) {
+      created = event;
+      break;
+    }
+    assert.equal(created?.type, 'run.created');
+    assert.equal(created?.runId, run.id);
+    const start = { nextCursor: created?.id ?? '' };
 
     const controller = new AbortController();
     const streamed: EventData[] = [];

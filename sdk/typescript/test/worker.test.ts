@@ -186,7 +186,11 @@ describe('consume', { concurrency: true, timeout: 240_000 }, () => {
     await assert.rejects(bound.tasks.get(theirs.id).status(), NotFoundError);
     await assert.rejects(bound.scope(outside.id).status(), NotFoundError);
     assert.equal((await theirs.status()).state, 'QUEUED');
-    const page = await bound.events.list({ types: ['task.submitted'] });
+    // Once the later submit is visible to a cursor reader (a moment on a busy cluster), so is the earlier one.
+    for await (const event of rs.events.follow({ types: ['task.submitted'], runId: outside.id, signal: AbortSignal.timeout(60_000) })) {
+      if (event.subjectId === theirs.id) break;
+    }
+    const page = await bound.events.list({ types: ['task.submitted'], limit: 1000 });
     const runs = new Set(page.events.map((event) => event.runId));
     assert.ok(runs.has(inside.id));
     assert.ok(!runs.has(outside.id));
