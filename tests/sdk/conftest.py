@@ -58,6 +58,8 @@ def wait_for_quiet_server(timeout_s: float = 5.0) -> None:
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
         "AND pid <> pg_backend_pid() AND state IN ('active', 'idle in transaction')"
     )
+    if connection.vendor != "postgresql":  # SQLite has no pg_stat_activity (and one writer at a time)
+        return
     deadline = time.monotonic() + timeout_s
     with connection.cursor() as cursor:
         while time.monotonic() < deadline:

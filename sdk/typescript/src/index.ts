@@ -1,0 +1,59 @@
+/**
+ * `@runstate/client`: the TypeScript client of runstate, and a worker loop whose handlers get an
+ * `AbortSignal` that aborts on cancellation.
+ *
+ *     import { Runstate } from '@runstate/client';
+ *
+ *     const rs = new Runstate(); // RUNSTATE_URL, RUNSTATE_API_KEY
+ *     await rs.mailboxes.ensure('reviews', { mode: 'WORK' });
+ *     const run = await rs.scopes.create();
+ */
+
+export { Events, Mailboxes, Runstate, type EventFilter } from './client.js';
+export { Barrier, Barriers, Timer, Timers, type ArmedTimer, type FiredTimer } from './clock.js';
+export {
+  AuthenticationError,
+  ConflictError,
+  DeadlineExceededError,
+  LeaseLostError,
+  NotFoundError,
+  PermissionDeniedError,
+  RateLimitedError,
+  RunstateError,
+  ScopeCancelledError,
+  ScopeCompletedError,
+  ScopeInactiveError,
+  ServerError,
+  ServiceUnavailableError,
+  TimeoutError,
+  TransportError,
+  ValidationError,
+  type ErrorDetails,
+} from './errors.js';
+export { Group, Groups, type GroupCreateOptions } from './groups.js';
+export { SDK_VERSION, type ClientConfig, type RunstateOptions } from './http.js';
+export { Scope, Scopes, type RunCreateOptions } from './scopes.js';
+export type * from './types.js';
+export {
+  Claim,
+  Delivery,
+  Messages,
+  Tasks,
+  Ticket,
+  type ClaimResult,
+  type SubmitOptions,
+  type TaskItem,
+  type WaitTimeout,
+} from './work.js';
+export {
+  TaskContext,
+  Worker,
+  describeError,
+  task,
+  type ConsumeOptions,
+  type ConsumeSummary,
+  type Handler,
+  type Schema,
+  type StopReason,
+  type TaskDefinition,
+} from './worker.js';
