@@ -99,9 +99,9 @@ def test_a_wake_up_stays_until_its_buckets_end_and_fires_each_later_timer_when_d
     now = datetime.now(UTC)
     first, *later = Timer.objects.bulk_create(
         Timer(project_id=project.id, run=run, run_path=run.path, fire_at=now + timedelta(milliseconds=ms))
-        for ms in (0, 40, 80, 120)
+        for ms in (0, 40, 80, 60_000)
     )
-    beyond = later.pop()  # due after the bucket's end: left to its own wake-up
+    beyond = later.pop()  # due long after the bucket's end: left to its own wake-up
     fire_timer(str(first.id), (now + timedelta(milliseconds=100)).isoformat())
     timers = {t.id: t for t in Timer.objects.filter(run=run)}
     for timer in (first, *later):
