@@ -104,8 +104,8 @@ def test_a_first_verdict_that_does_not_decide_is_one_statement_after_the_group_l
     project, group, tasks = _world("verdict-statements", "N_ACCEPTED", 2)
     with CaptureQueriesContext(connection) as captured:
         group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict="ACCEPTED")
-    statements = [q["sql"] for q in captured.captured_queries]
-    locked = next(i for i, sql in enumerate(statements) if '"coordination_taskgroup"' in sql and "FOR UPDATE" in sql)
+    statements = [q["sql"].replace('"', "") for q in captured.captured_queries]
+    locked = max(i for i, sql in enumerate(statements) if "coordination_taskgroup" in sql and "FOR UPDATE" in sql)
     # The test's own transaction turns BEGIN/COMMIT into savepoints.
     (after,) = [sql for sql in statements[locked + 1 :] if not sql.startswith(("SAVEPOINT", "RELEASE"))]
     assert "UPDATE coordination_groupmember" in after and "INSERT INTO coordination_event" in after
