@@ -118,12 +118,13 @@ def http_verdicts(server: UvicornServer, key: str, members: int, threshold: int)
             for c, t in zip(clients, tasks, strict=True)
         ]
         statuses, latencies = concurrently(calls)
+        statuses = [s if isinstance(s, int) else type(s).__name__ for s in statuses]
     finally:
         for client in clients:
             client.close()
     finalized = Event.objects.filter(type="group.finalized", subject_id=str(group.id)).count()
     print(
-        f"HTTP: {members} concurrent verdicts: statuses {sorted(set(statuses))}, finalized {finalized}x; "
+        f"HTTP: {members} concurrent verdicts: statuses {sorted(set(statuses), key=str)}, finalized {finalized}x; "
         f"latency p50 {percentile(latencies, 0.5) * 1000:.1f} ms, p99 {percentile(latencies, 0.99) * 1000:.1f} ms"
     )
     return {"verdict_p99_ms_http": percentile(latencies, 0.99) * 1000, "finalized_http": finalized}
