@@ -4,10 +4,15 @@ Prints p50/p99 verdict latency (service layer and HTTP), checks there is exactly
 finalize, the time from the deciding verdict's return until a cursor reader sees
 ``group.finalized``, and the p99 release latency of 1,000 concurrent ``GET /groups/{id}/wait``
 after the decision (target: under 100 ms). Run: ``.venv/bin/python -m bench.groups``.
+
+``--json PATH`` writes the figures: ``verdict_p99_ms_service``, ``verdict_p99_ms_http`` and
+``finalized_count`` (``group.finalized`` events per verdict group: 1 is right; see
+``verdict_figures``). ``--no-waiters`` measures the verdicts only.
 """
 
 import argparse
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -71,7 +76,7 @@ def seen_by_reader(project_id, group_id, timeout_s: float = 30.0) -> float:
     raise RuntimeError("group.finalized never became visible")
 
 
-def service_verdicts(members: int, threshold: int) -> None:
+def service_verdicts(members: int, threshold: int) -> dict:
     from coordination.models import Event
     from coordination.services.groups import group_verdict
     from coordination.states import Verdict
@@ -97,9 +102,10 @@ def service_verdicts(members: int, threshold: int) -> None:
         f"{max(0.0, seen - deciding_end) * 1000:.1f} ms after the last verdict returned"
     )
     assert finalized == 1
+    return {"verdict_p99_ms_service": percentile(latencies, 0.99) * 1000, "finalized_service": finalized}
 
 
-def http_verdicts(server: UvicornServer, key: str, members: int, threshold: int) -> None:
+def http_verdicts(server: UvicornServer, key: str, members: int, threshold: int) -> dict:
     import httpx
 
     from coordination.models import Event
@@ -112,14 +118,16 @@ def http_verdicts(server: UvicornServer, key: str, members: int, threshold: int)
             for c, t in zip(clients, tasks, strict=True)
         ]
         statuses, latencies = concurrently(calls)
+        statuses = [s if isinstance(s, int) else type(s).__name__ for s in statuses]
     finally:
         for client in clients:
             client.close()
     finalized = Event.objects.filter(type="group.finalized", subject_id=str(group.id)).count()
     print(
-        f"HTTP: {members} concurrent verdicts: statuses {sorted(set(statuses))}, finalized {finalized}x; "
+        f"HTTP: {members} concurrent verdicts: statuses {sorted(set(statuses), key=str)}, finalized {finalized}x; "
         f"latency p50 {percentile(latencies, 0.5) * 1000:.1f} ms, p99 {percentile(latencies, 0.99) * 1000:.1f} ms"
     )
+    return {"verdict_p99_ms_http": percentile(latencies, 0.99) * 1000, "finalized_http": finalized}
 
 
 async def _waiters(url: str, token: str, group_id, count: int, decide) -> tuple[list[float], list[int], float]:
@@ -188,13 +196,29 @@ def main() -> None:
     parser.add_argument("--verdicts", type=int, default=100)
     parser.add_argument("--threshold", type=int, default=50)
     parser.add_argument("--waiters", type=int, default=1000)
+    parser.add_argument("--no-waiters", action="store_true", help="measure the verdicts only")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args()
     setup_django()
-    service_verdicts(args.verdicts, args.threshold)
+    figures = verdict_figures(service_verdicts(args.verdicts, args.threshold))
     keys = KeyRing()
     with UvicornServer() as server:
-        http_verdicts(server, keys, args.verdicts, args.threshold)
-        http_waiters(server, keys, args.waiters)
+        figures = verdict_figures(figures | http_verdicts(server, keys, args.verdicts, args.threshold))
+        if not args.no_waiters:
+            http_waiters(server, keys, args.waiters)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(figures, out, indent=2)
+
+
+def verdict_figures(figures: dict) -> dict:
+    """Add ``finalized_count``: how many ``group.finalized`` events each verdict group has (1 is right).
+
+    When the groups measured so far disagree, it is the count furthest from 1, so a double or
+    a missing finalize anywhere shows.
+    """
+    counts = [figures[key] for key in ("finalized_service", "finalized_http") if key in figures]
+    return figures | {"finalized_count": max(counts, key=lambda count: abs(count - 1))}
 
 
 if __name__ == "__main__":

@@ -195,6 +195,34 @@ def run_list(
 
 EVENT_CURSOR_START = "0-0"
 
+# The event horizon on PostgreSQL (docs/internals.md, "Events and the cursor"): the oldest
+# transaction that the statement's own snapshot sees running *in this database*, or the
+# snapshot's xmax when none is. Every event below it is committed and visible to the same
+# statement, or is never committed. A transaction known to belong to another database of the
+# cluster (its xid is some other database's backend's in ``pg_stat_activity``) is left out: it
+# cannot write runstate's events, so a long transaction there no longer stalls the readers
+# here. One whose database cannot be told (a prepared transaction, a backend gone since the
+# snapshot) still counts, which only delays, as the cluster-wide ``pg_snapshot_xmin`` did.
+EVENT_HORIZON_SQL = """(
+    SELECT coalesce(min(x::text::bigint), pg_snapshot_xmax(pg_current_snapshot())::text::bigint)
+    FROM pg_snapshot_xip(pg_current_snapshot()) AS x
+    WHERE xid(x) NOT IN (
+        SELECT backend_xid FROM pg_stat_activity
+        WHERE backend_xid IS NOT NULL
+        AND datid <> (SELECT oid FROM pg_database WHERE datname = current_database())
+    )
+)"""
+
+
+def _below_event_horizon(queryset: QuerySet[Event]) -> QuerySet[Event]:
+    """Keep the events a cursor reader may see now: on PostgreSQL, those below the horizon.
+
+    On SQLite writers are serialized, so every committed event may be seen.
+    """
+    if connection.vendor != "postgresql":
+        return queryset
+    return queryset.filter(txid__lt=RawSQL(EVENT_HORIZON_SQL, []))
+
 
 def _parse_event_cursor(cursor: str | None) -> tuple[int, int]:
     if not cursor:
@@ -223,15 +251,15 @@ def event_list(
 ) -> tuple[list[Event], str]:
     """Return events after the cursor, oldest first, and the cursor to continue from.
 
-    Only events of transactions older than every transaction still running are returned
-    (see ``Event``), so a reader that follows the cursor never skips an event.
+    Only events below the horizon are returned (``EVENT_HORIZON_SQL``: older than every
+    transaction still running in this database), so a reader that follows the cursor never
+    skips an event.
     """
     txid, event_id = _parse_event_cursor(after)
     queryset = Event.objects.filter(project_id=visibility.project_id).filter(
         Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id)
     )
-    if connection.vendor == "postgresql":
-        queryset = queryset.filter(txid__lt=RawSQL("pg_snapshot_xmin(pg_current_snapshot())::text::bigint", []))
+    queryset = _below_event_horizon(queryset)
     types = [t for t in types if t]
     if types:
         queryset = queryset.filter(type__in=types)
@@ -244,21 +272,13 @@ def event_list(
     return events, next_cursor
 
 
-def _committed_events() -> QuerySet[Event]:
-    """Return the events a cursor reader may see now (see ``event_list``)."""
-    queryset = Event.objects.all()
-    if connection.vendor == "postgresql":
-        queryset = queryset.filter(txid__lt=RawSQL("pg_snapshot_xmin(pg_current_snapshot())::text::bigint", []))
-    return queryset
-
-
 def event_head(visibility: Visibility) -> str:
     """Return the cursor after the last event a reader may see now: "new events only" start there.
 
     An event of a transaction still running has a txid above this cursor (it is at or above
     the horizon), so a reader starting here still receives it once it commits.
     """
-    queryset = _committed_events().filter(project_id=visibility.project_id)
+    queryset = _below_event_horizon(Event.objects.filter(project_id=visibility.project_id))
     last = queryset.order_by("-txid", "-id").only("id", "txid").first()
     return event_cursor(last) if last is not None else EVENT_CURSOR_START
 

@@ -34,9 +34,11 @@ def _send(task, args: list, eta: datetime) -> bool:
 
 # Timer wake-ups are coalesced per bucket of due time: a wake-up fires every timer due by
 # then (workers.tasks.fire_timer drains), so a burst needs two messages per bucket, not one
-# per timer. The first timer of a bucket is woken at its own time (a lone timer stays exact);
-# the second sends one more wake-up at the bucket's end, which covers every later timer of
-# the bucket (at most TIMER_WAKE_BUCKET late); the rest send nothing.
+# per timer. The first timer of a bucket is woken at its own time (a lone timer stays exact)
+# and its wake-up stays until the bucket's end, firing the bucket's later timers as they come
+# due (workers.tasks.fire_as_due, a tick apart); the second sends one more wake-up at the
+# bucket's end, which covers every timer of the bucket should the first be lost or late
+# (then at most TIMER_WAKE_BUCKET late); the rest send nothing.
 TIMER_WAKE_BUCKET = timedelta(milliseconds=100)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _timer_wake_lock = threading.Lock()
@@ -73,8 +75,9 @@ def dispatch_timer(timer_id: uuid.UUID, fire_at: datetime) -> None:
     sent = _timer_wake_reserve(bucket)
     if sent is None:
         return
-    eta = fire_at if sent == 0 else _EPOCH + (bucket + 1) * TIMER_WAKE_BUCKET
-    if not _send(fire_timer, [str(timer_id)], max(eta, fire_at)):
+    bucket_end = _EPOCH + (bucket + 1) * TIMER_WAKE_BUCKET
+    eta = fire_at if sent == 0 else bucket_end
+    if not _send(fire_timer, [str(timer_id), bucket_end.isoformat()], max(eta, fire_at)):
         _timer_wake_release(bucket)
 
 

@@ -6,7 +6,7 @@ delivery, two beat schedulers or two workers running the same sweep never double
 
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from celery import shared_task
 from django.conf import settings
@@ -29,19 +29,47 @@ def _drain(sweep, budget_s: float = SWEEP_BUDGET_S, **kwargs) -> int:
     return total
 
 
+# While a wake-up stays on for the rest of its bucket, it fires at most this often: each
+# batch is what came due since the last one, so a timer is about this much late at most,
+# plus the batch's statement.
+TIMER_FIRE_TICK_S = 0.01
+# ... and it stays on for no longer than this (a bucket is far shorter; workers.dispatch).
+TIMER_STAY_MAX_S = 1.0
+
+
 @shared_task(name="runstate.fire_timer", ignore_result=True)
-def fire_timer(timer_id: str) -> None:
+def fire_timer(timer_id: str, until: str | None = None) -> None:
     """Fire one timer at its due time (dispatched on creation with an ETA), then every other due timer.
 
     Timers often come due together and their wake-ups are coalesced (``workers.dispatch``):
     this message stands for every timer of its bucket, so it drains the due ones in batches
-    whatever became of its own timer (fired by a sweep, cancelled).
+    whatever became of its own timer (fired by a sweep, cancelled), then stays until
+    ``until`` (the bucket's end), firing the bucket's later timers as they come due.
     """
     from coordination.services.timers import timer_fire, timers_fire_due
 
     close_old_connections()
     timer_fire(timer_id=uuid.UUID(timer_id))
     _drain(timers_fire_due, budget_s=0.5)
+    if until is not None:
+        fire_as_due(until=datetime.fromisoformat(until))
+
+
+def fire_as_due(*, until: datetime) -> int:
+    """Fire the timers due by ``until`` as they come due, in batches at most a tick apart; return how many.
+
+    Several workers may do this over the same timers at once: each batch skips the rows
+    another one holds, and a timer fires once (``timers_fire_due``).
+    """
+    from coordination.services.timers import timer_next_due, timers_fire_due
+
+    stay_until = min(until, timezone.now() + timedelta(seconds=TIMER_STAY_MAX_S))
+    give_up = time.monotonic() + 2 * TIMER_STAY_MAX_S  # rows held elsewhere: the sweep is there
+    total = 0
+    while (next_due := timer_next_due(until=stay_until)) is not None and time.monotonic() < give_up:
+        time.sleep(max((next_due - timezone.now()).total_seconds(), TIMER_FIRE_TICK_S))
+        total += _drain(timers_fire_due, budget_s=0.5)
+    return total
 
 
 @shared_task(name="runstate.sweep_run_deadline", ignore_result=True)

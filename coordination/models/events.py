@@ -9,7 +9,7 @@ class Event(models.Model):
 
     ``txid`` is the writing transaction's id on PostgreSQL (``pg_current_xact_id()``). Readers
     order by ``(txid, id)`` and only return events of transactions older than every
-    transaction still running (``txid < pg_snapshot_xmin(pg_current_snapshot())``): a
+    transaction still running in this database (``selectors.EVENT_HORIZON_SQL``): a
     transaction that commits late can then never slip an event in behind a reader's cursor.
     On SQLite writers are serialized, so ``txid`` is 0 and id order is commit order.
     """

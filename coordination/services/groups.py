@@ -10,16 +10,17 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from coordination import exceptions
 from coordination.group_rules import MemberFacts, decide
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
+from coordination.services import sql
 from coordination.services.cascade import SubtreeEnd
-from coordination.services.events import event_row, events_record_many
-from coordination.services.locking import LockMode, chain_refusal, run_chain_lock
+from coordination.services.events import EVENT_COLUMNS, TXID_SQL, event_row, events_record_many
+from coordination.services.locking import LockMode, chain_refusal, run_ancestors_lock, run_chain_lock
 from coordination.services.retry import GroupDue, retrying
 from coordination.services.runs import run_create, run_end
 from coordination.states import (
@@ -48,8 +49,46 @@ class LockedGroup:
         return self.chain[-1]
 
 
+# The gate FOR UPDATE, then the group FOR UPDATE, in one statement, on PostgreSQL. The CTE's
+# row lock is taken when the join first reads the gate, so before the outer lock on the
+# group row, whatever the join order (house order: gate, then group). Both rows come back as
+# they are once locked, and the group's mailbox (not locked) with them.
+GATE_AND_GROUP_LOCK_SQL = f"""
+WITH gate AS (
+    SELECT {sql.columns(Run, "r")} FROM coordination_run r WHERE r.id = %(gate_id)s FOR UPDATE
+)
+SELECT {sql.columns(TaskGroup, "g")}, {sql.columns(Mailbox, "m")}, gate.*
+FROM coordination_taskgroup g
+JOIN gate ON gate.id = g.scope_id
+JOIN coordination_mailbox m ON m.id = g.mailbox_id
+WHERE g.id = %(group_id)s
+FOR UPDATE OF g
+"""
+
+
+def _group_lock_fast(group_id: uuid.UUID, project_id: uuid.UUID | None) -> LockedGroup:
+    """``group_lock`` in two or three statements: the gate's path, its ancestors, then gate and group."""
+    head = sql.fetch(
+        "SELECT g.scope_id, r.path FROM coordination_taskgroup g JOIN coordination_run r ON r.id = g.scope_id "
+        "WHERE g.id = %(group_id)s AND (%(project_id)s::uuid IS NULL OR g.project_id = %(project_id)s::uuid)",
+        {"group_id": group_id, "project_id": project_id},
+    )
+    if not head:
+        raise exceptions.NotFound("Group not found.", groupId=str(group_id))
+    gate_id, path = head[0]
+    ancestors = run_ancestors_lock(path)
+    rows = sql.fetch(GATE_AND_GROUP_LOCK_SQL, {"gate_id": gate_id, "group_id": group_id})
+    group, mailbox, gate = sql.build_row(rows[0], TaskGroup, Mailbox, Run)
+    group.mailbox, group.scope = mailbox, gate
+    return LockedGroup(group, [*ancestors, gate])
+
+
 def group_lock(*, group_id: uuid.UUID, project_id: uuid.UUID | None = None) -> LockedGroup:
     """Lock the gate chain, then the group; raise ``NotFound`` if there is no such group."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("group_lock must be called inside transaction.atomic()")
+    if sql.fast_paths_enabled():
+        return _group_lock_fast(group_id, project_id)
     rows = TaskGroup.objects.filter(id=group_id)
     if project_id is not None:
         rows = rows.filter(project_id=project_id)
@@ -98,8 +137,12 @@ def _event(group: TaskGroup, type: str, gate: Run, subject_id: object = None, **
     )
 
 
-def group_evaluate(locked: LockedGroup, now: datetime | None = None) -> bool:
-    """Apply the condition table to a locked group and finalize it if decided; return whether it was."""
+def group_evaluate(locked: LockedGroup, now: datetime | None = None, members: list[MemberFacts] | None = None) -> bool:
+    """Apply the condition table to a locked group and finalize it if decided; return whether it was.
+
+    ``members`` are the member facts when the caller has just read them under the group lock
+    (a verdict's statement returns them); by default they are read here.
+    """
     group = locked.group
     if group.state == GroupState.FINALIZED:
         return False
@@ -112,7 +155,7 @@ def group_evaluate(locked: LockedGroup, now: datetime | None = None) -> bool:
         condition=group.condition,
         threshold=group.threshold,
         closed=group.state == GroupState.SEALED,
-        members=_member_facts(group),
+        members=_member_facts(group) if members is None else members,
         deadline_passed=problem == "deadline",
     )
     if decision is None:
@@ -131,13 +174,53 @@ def _finalize(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: date
     group.outcome_reason = reason
     group.finalized_at = now
     group.closed_at = group.closed_at or now
-    group.save(update_fields=["state", "outcome", "outcome_reason", "finalized_at", "closed_at"])
-    events_record_many([_event(group, "group.finalized", gate, outcome=outcome, reason=reason)])
+    if sql.fast_paths_enabled():
+        # The row and its event in one statement: the group lock is held until commit.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                FINALIZE_SQL,
+                {
+                    "group_id": group.id,
+                    "project_id": group.project_id,
+                    "outcome": outcome,
+                    "reason": reason,
+                    "now": now,
+                    "closed_at": group.closed_at,
+                    "gate_id": gate.id,
+                    "gate_path": gate.path,
+                },
+            )
+    else:
+        group.save(update_fields=["state", "outcome", "outcome_reason", "finalized_at", "closed_at"])
+        events_record_many([_event(group, "group.finalized", gate, outcome=outcome, reason=reason)])
     if gate.stored_state == RunState.ACTIVE:
-        # The gate's cascade cancels the unfinished members delivered on it.
-        run_end(run_id=gate.id, project_id=group.project_id, state=RunState.CANCELLED, reason=f"group_{reason}")
+        # The gate's cascade cancels the unfinished members delivered on it; its chain is ours already.
+        run_end(
+            run_id=gate.id,
+            project_id=group.project_id,
+            state=RunState.CANCELLED,
+            reason=f"group_{reason}",
+            locked_chain=locked.chain,
+        )
     # Members joined from elsewhere live on other runs: cancel them too.
     tasks_cancel_group_members(group_id=group.id, reason=f"group_{reason}", now=now)
+
+
+# A group's decision and its ``group.finalized`` event, one statement (the careful path's
+# ``save`` and event, folded). The data matches ``_event(..., outcome=, reason=)``.
+FINALIZE_SQL = f"""
+WITH done AS (
+    UPDATE coordination_taskgroup
+    SET state = 'FINALIZED', outcome = %(outcome)s, outcome_reason = %(reason)s,
+        finalized_at = %(now)s, closed_at = %(closed_at)s
+    WHERE id = %(group_id)s
+    RETURNING id
+)
+INSERT INTO coordination_event ({EVENT_COLUMNS})
+SELECT {TXID_SQL}, %(project_id)s, 'group.finalized', %(gate_id)s, %(gate_path)s, done.id::text,
+    jsonb_build_object('outcome', %(outcome)s::text, 'reason', %(reason)s::text), %(now)s
+FROM done
+"""
 
 
 def _close(locked: LockedGroup, now: datetime) -> None:
@@ -334,12 +417,91 @@ class VerdictResult:
     group: TaskGroup
 
 
+_TERMINAL_SQL = ", ".join(f"'{state}'" for state in sorted(TASK_TERMINAL))
+
+# A first verdict on a member, once its group is locked and not due: lock the member's task
+# (house order: group, then task), record the verdict and its event, and return the member
+# with the facts of every member as they are now (the judged one with its new verdict), for
+# the condition table. A fresh statement after the group lock, so its snapshot holds every
+# verdict and task change committed before: they all lock the group first. It matches no row
+# (the careful path then decides the answer) for an unknown member, a member already judged
+# or a task whose state does not allow the verdict.
+VERDICT_SQL = f"""
+WITH task AS (
+    SELECT t.id, t.state FROM coordination_task t
+    WHERE t.id = %(task_id)s AND t.group_id = %(group_id)s
+    FOR UPDATE
+), judged AS (
+    UPDATE coordination_groupmember m
+    SET verdict = %(verdict)s, verdict_at = %(now)s, late = %(late)s
+    FROM task
+    WHERE m.group_id = %(group_id)s AND m.task_id = task.id AND m.verdict IS NULL
+      AND CASE %(verdict)s
+          WHEN 'ACCEPTED' THEN task.state = 'SUCCEEDED'
+          WHEN 'REJECTED' THEN task.state IN ({_TERMINAL_SQL})
+          ELSE false END
+    RETURNING m.*
+), events AS (
+    INSERT INTO coordination_event ({EVENT_COLUMNS})
+    SELECT {TXID_SQL}, %(project_id)s, 'member.verdict', %(gate_id)s, %(gate_path)s, task_id::text,
+        jsonb_build_object('groupId', group_id::text, 'verdict', verdict, 'late', late), %(now)s
+    FROM judged
+)
+SELECT {sql.columns(GroupMember, "judged")}, facts.states, facts.verdicts
+FROM judged, LATERAL (
+    SELECT array_agg(t.state ORDER BY m.id) AS states,
+        array_agg(CASE WHEN m.id = judged.id THEN judged.verdict ELSE m.verdict END ORDER BY m.id) AS verdicts
+    FROM coordination_groupmember m JOIN coordination_task t ON t.id = m.task_id
+    WHERE m.group_id = %(group_id)s
+) facts
+"""
+
+
+def _verdict_fast(locked: LockedGroup, task_id: uuid.UUID, verdict: Verdict, now: datetime) -> GroupMember | None:
+    """Record a first verdict in one statement and evaluate the group; None when it matched no row."""
+    group, gate = locked.group, locked.gate
+    rows = sql.fetch_models(
+        GroupMember,
+        VERDICT_SQL,
+        {
+            "task_id": task_id,
+            "group_id": group.id,
+            "project_id": group.project_id,
+            "verdict": verdict,
+            "now": now,
+            "late": group.state == GroupState.FINALIZED,
+            "gate_id": gate.id,
+            "gate_path": gate.path,
+        },
+        extra=2,
+    )
+    if not rows:
+        return None
+    member, states, verdicts = rows[0]
+    if not member.late:
+        facts = [MemberFacts(state, judged) for state, judged in zip(states, verdicts, strict=True)]
+        group_evaluate(locked, now, members=facts)
+    return member
+
+
 @retrying
 @transaction.atomic
 def group_verdict(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID, verdict: Verdict) -> VerdictResult:
-    """Accept or reject a member; idempotent. After finalize the verdict is kept as ``late``."""
+    """Accept or reject a member; idempotent. After finalize the verdict is kept as ``late``.
+
+    On PostgreSQL a first verdict on a group that is not due is one statement after the
+    group lock (``VERDICT_SQL``), and the condition table is applied to the facts it
+    returns: the lock is held for that statement and the commit, unless the verdict decides
+    the group. Everything else takes the careful path below.
+    """
     locked = group_lock(group_id=group_id, project_id=project_id)
     group = locked.group
+    if sql.fast_paths_enabled():
+        now = timezone.now()
+        if not _is_due(locked, now):
+            member = _verdict_fast(locked, task_id, verdict, now)
+            if member is not None:
+                return VerdictResult(member, group)
     member = GroupMember.objects.filter(group=group, task_id=task_id).first()
     if member is None:
         raise exceptions.NotFound("No such member.", taskId=str(task_id))

@@ -57,6 +57,15 @@ def _lock_runs(ids: Sequence[uuid.UUID], mode: LockMode) -> list[Run]:
     return list(Run.objects.raw(f"{sql} {mode.value}", params))
 
 
+def run_ancestors_lock(path: str) -> list[Run]:
+    """Lock the ancestors of the run at ``path`` ``FOR KEY SHARE``, root first; return them root first.
+
+    The first step of ``run_chain_lock`` for a caller that read the path itself and locks
+    the run in a statement of its own.
+    """
+    return _lock_runs([uuid.UUID(part) for part in path.split("/") if part][:-1], LockMode.KEY_SHARE)
+
+
 def run_chain_lock(run_id: uuid.UUID, *, project_id, target_mode: LockMode = LockMode.KEY_SHARE) -> list[Run]:
     """Lock the chain of ``run_id`` root first and return it root first.
 

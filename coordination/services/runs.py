@@ -80,15 +80,27 @@ def run_create(
     return run
 
 
-def run_end(*, run_id: uuid.UUID, project_id: uuid.UUID, state: RunState, reason: str | None) -> Run:
+def run_end(
+    *,
+    run_id: uuid.UUID,
+    project_id: uuid.UUID,
+    state: RunState,
+    reason: str | None,
+    locked_chain: list[Run] | None = None,
+) -> Run:
     """End a run (cancel or complete) and its subtree inside the caller's transaction.
 
     Takes the run chain's locks itself (already held locks are simply kept), so a group
-    finalizing its gate may call it with the gate chain already locked.
+    finalizing its gate may call it with the gate chain already locked; it then passes that
+    chain (``run_chain_lock(..., target_mode=UPDATE)`` of this run, in this transaction) as
+    ``locked_chain`` and saves the two statements of locking it again.
     """
     # FOR UPDATE on the run conflicts with the FOR KEY SHARE that every creator of new
     # work under it holds: we wait for them to commit, and our cascade below sees their rows.
-    chain = run_chain_lock(run_id, project_id=project_id, target_mode=LockMode.UPDATE)
+    if locked_chain is not None and locked_chain[-1].id == run_id:
+        chain = locked_chain
+    else:
+        chain = run_chain_lock(run_id, project_id=project_id, target_mode=LockMode.UPDATE)
     run = chain[-1]
     if run.stored_state == state:
         return run

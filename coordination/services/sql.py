@@ -36,6 +36,16 @@ def build(model: type[models.Model], row, converters) -> models.Model:
     return model.from_db(DEFAULT_DB_ALIAS, None, values)
 
 
+def build_row(row, *models_: type[models.Model]) -> list[models.Model]:
+    """Build one instance of each of ``models_`` from ``row``: their concrete columns, one model after the other."""
+    instances, start = [], 0
+    for model in models_:
+        width = len(model._meta.concrete_fields)
+        instances.append(build(model, row[start : start + width], _converters(model)))
+        start += width
+    return instances
+
+
 def fetch(sql: str, params: dict) -> list[tuple]:
     """Run one statement and return its rows."""
     with connection.cursor() as cursor:

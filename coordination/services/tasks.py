@@ -20,7 +20,7 @@ from coordination import exceptions
 from coordination.ids import path_ids
 from coordination.models import Event, Mailbox, Run, Task, TaskGroup
 from coordination.services import dispatch, sql
-from coordination.services.cascade import SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_refusal, run_chain_lock_active
@@ -460,8 +460,30 @@ def task_cancel(
     return task
 
 
+# A finalizing group's unfinished members, wherever they live, in one statement: locked in id
+# order (the lock order among task rows), cancelled, and their events written by the same
+# data-modifying CTE (``subtree_rows_end`` does the same for a subtree).
+CANCEL_GROUP_MEMBERS_SQL = f"""
+WITH ended AS (
+    UPDATE coordination_task AS t
+    SET state = 'CANCELLED', finished_at = %(now)s, cancel_reason = %(reason)s, lease_expires_at = NULL, worker_id = ''
+    WHERE t.id = ANY(ARRAY(
+        SELECT id FROM coordination_task
+        WHERE group_id = %(group_id)s AND state IN ({", ".join(f"'{state}'" for state in sorted(TASK_UNFINISHED))})
+        ORDER BY id FOR UPDATE))
+    RETURNING t.id, t.project_id, t.run_id, t.run_path
+)
+{event_insert_sql("ended", type_sql="'task.cancelled'", data_sql=END_EVENT_DATA_SQL)}
+"""
+
+
 def tasks_cancel_group_members(*, group_id: uuid.UUID, reason: str, now: datetime) -> None:
     """Cancel a finalizing group's unfinished members wherever they live (group already locked)."""
+    if fast_paths_enabled():
+        with connection.cursor() as cursor:
+            params = {"group_id": group_id, "reason": reason, "cause": "group_finalized", "now": now}
+            cursor.execute(CANCEL_GROUP_MEMBERS_SQL, params)
+        return
     members = list(Task.objects.filter(group_id=group_id, state__in=TASK_UNFINISHED).order_by("id").select_for_update())
     if not members:
         return

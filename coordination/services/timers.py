@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, Timer
-from coordination.services import dispatch
+from coordination.services import dispatch, sql
 from coordination.services.cascade import SubtreeEnd, subtree_rows_end
-from coordination.services.events import event_for, events_record_many
+from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.locking import run_chain_lock_active
 from coordination.states import TimerState
 
@@ -68,7 +68,8 @@ def _fire(timer: Timer, now: datetime) -> list[Event]:
 
 
 def _late_ms(timer: Timer, now: datetime) -> int:
-    return max(0, int((now - timer.fire_at).total_seconds() * 1000))
+    # Whole milliseconds, rounded down, in integer arithmetic (FIRE_DUE_SQL computes the same).
+    return max(0, (now - timer.fire_at) // timedelta(milliseconds=1))
 
 
 @transaction.atomic
@@ -83,15 +84,60 @@ def timer_fire(*, timer_id: uuid.UUID) -> Timer | None:
     return timer
 
 
+# A batch of due timers in one statement (PostgreSQL): pick the armed ones due by ``now``,
+# oldest first, skipping rows another sweeper holds; fire them (or cancel those due at or
+# after their run's deadline, as ``_fire`` does) and write their events, as the careful path
+# below does. ``fireAt`` is Python's ``isoformat()`` of a UTC time (no fraction when it is
+# zero). 'ARMED' is a literal so that even a generic plan uses the partial index
+# ``timer_armed_due``.
+_FIRE_AT_ISO_SQL = (
+    "to_char(fire_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS') "
+    "|| CASE WHEN to_char(fire_at AT TIME ZONE 'UTC', 'US') = '000000' THEN '' "
+    "ELSE to_char(fire_at AT TIME ZONE 'UTC', '.US') END || '+00:00'"
+)
+FIRE_DUE_SQL = f"""
+WITH due AS (
+    SELECT id FROM coordination_timer
+    WHERE state = 'ARMED' AND fire_at <= %(now)s
+    ORDER BY fire_at, id
+    LIMIT %(batch_size)s
+    FOR UPDATE SKIP LOCKED
+), done AS (
+    UPDATE coordination_timer t
+    SET state = CASE WHEN t.fire_at >= t.run_deadline THEN 'CANCELLED' ELSE 'FIRED' END,
+        fired_at = CASE WHEN t.fire_at >= t.run_deadline THEN t.fired_at ELSE %(fire_time)s END
+    FROM due
+    WHERE t.id = due.id AND t.state = 'ARMED'
+    RETURNING t.id, t.project_id, t.run_id, t.run_path, t.state, t.fire_at
+)
+{
+    event_insert_sql(
+        "done",
+        type_sql="CASE WHEN state = 'FIRED' THEN 'timer.fired' ELSE 'timer.cancelled' END",
+        data_sql="CASE WHEN state = 'FIRED' THEN jsonb_build_object('fireAt', "
+        + _FIRE_AT_ISO_SQL
+        + ", 'lateMs', greatest(0, floor(extract(epoch FROM %(fire_time)s - fire_at) * 1000))::bigint) "
+        "ELSE jsonb_build_object('cause', 'run_deadline') END",
+        created_at_sql="%(fire_time)s",
+    )
+}
+"""
+
+
 @transaction.atomic
 def timers_fire_due(*, now: datetime | None = None, batch_size: int = 1000) -> int:
     """Fire armed timers that are due, one batch, skipping rows another sweeper holds.
 
-    The batch is written in bulk: one UPDATE for the timers that fire, one for those due at or
-    after their run's deadline (cancelled instead, as ``_fire`` does) and one insert of all
-    their events, so a burst of due timers costs a few statements per batch, not per timer.
+    On PostgreSQL the batch is one statement (``FIRE_DUE_SQL``). Elsewhere it is written in
+    bulk: one UPDATE for the timers that fire, one for those due at or after their run's
+    deadline (cancelled instead, as ``_fire`` does) and one insert of all their events, so a
+    burst of due timers costs a few statements per batch, not per timer.
     """
     now = now or timezone.now()
+    if sql.fast_paths_enabled():
+        with connection.cursor() as cursor:
+            cursor.execute(FIRE_DUE_SQL, {"now": now, "batch_size": batch_size, "fire_time": timezone.now()})
+            return cursor.rowcount
     # Timers are last in the lock order and this path locks nothing else; skip_locked lets
     # concurrent sweepers and wake-ups split a burst instead of queueing behind each other.
     due = list(
@@ -124,6 +170,16 @@ def timers_fire_due(*, now: datetime | None = None, batch_size: int = 1000) -> i
         raise RuntimeError(f"{len(due) - changed} locked due timers were no longer armed")
     events_record_many(events)
     return len(due)
+
+
+def timer_next_due(*, until: datetime) -> datetime | None:
+    """Return when the next armed timer due by ``until`` is due (maybe already), or None."""
+    return (
+        Timer.objects.filter(state=TimerState.ARMED, fire_at__lte=until)
+        .order_by("fire_at")
+        .values_list("fire_at", flat=True)
+        .first()
+    )
 
 
 @transaction.atomic

@@ -9,6 +9,7 @@ from coordination.services.keys import project_ensure
 from coordination.services.runs import run_create
 from coordination.services.timers import timer_fire, timers_fire_due
 from tests.concurrency.util import run_in_threads
+from workers.tasks import fire_as_due
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -50,3 +51,32 @@ def test_four_sweepers_and_eta_wake_ups_over_5000_due_timers_fire_each_once():
     assert fired.count() == fired.values("subject_id").distinct().count() == 4500
     cancelled = Event.objects.filter(type="timer.cancelled", run_id=run.id)
     assert cancelled.count() == cancelled.values("subject_id").distinct().count() == 500
+
+
+def test_four_wake_ups_staying_through_a_spread_burst_and_a_sweeper_fire_each_timer_once():
+    """Workers firing a burst as it comes due (``fire_as_due``), side by side with a sweep."""
+    project = project_ensure(name="timers-spread")
+    run = run_create(project_id=project.id)
+    start = datetime.now(UTC) + timedelta(milliseconds=200)
+    timers = Timer.objects.bulk_create(
+        Timer(project_id=project.id, run=run, run_path=run.path, fire_at=start + timedelta(microseconds=150 * i))
+        for i in range(3000)  # 3,000 timers due over 450 ms
+    )
+    until = timers[-1].fire_at
+
+    def stay():
+        return fire_as_due(until=until)
+
+    def sweep():
+        total = 0
+        while datetime.now(UTC) <= until + timedelta(milliseconds=100):
+            total += timers_fire_due(batch_size=200)
+        return total
+
+    counts = run_in_threads([stay, stay, stay, stay, sweep])
+    assert sum(counts) == 3000
+    rows = list(Timer.objects.filter(run=run).values_list("state", "fire_at", "fired_at"))
+    assert {state for state, _, _ in rows} == {"FIRED"}
+    assert all(fired_at >= fire_at for _, fire_at, fired_at in rows), "a timer fired before it was due"
+    fired = Event.objects.filter(type="timer.fired", run_id=run.id)
+    assert fired.count() == fired.values("subject_id").distinct().count() == 3000

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import pytest
+from django.test import override_settings
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -527,7 +528,11 @@ MACHINE_SETTINGS = machine_settings(max_examples=75, steps=30)
 
 # A pass takes well under a minute; a failure may shrink for up to Hypothesis's own five
 # minutes, which the suite's 300 s timeout would cut short before the minimal sequence prints.
+# Both ways on PostgreSQL: the single-statement verdict and finalize (fast paths on) and the
+# careful ORM path (off). SQLite always takes the careful path.
 @pytest.mark.timeout(600)
 @pytest.mark.django_db
-def test_groups_follow_the_condition_table():
-    run_state_machine_as_test(GroupMachine, settings=MACHINE_SETTINGS)
+@pytest.mark.parametrize("fast_paths", [True, pytest.param(False, marks=pytest.mark.postgres_only)])
+def test_groups_follow_the_condition_table(fast_paths):
+    with override_settings(RUNSTATE_FAST_PATHS=fast_paths):
+        run_state_machine_as_test(GroupMachine, settings=MACHINE_SETTINGS)

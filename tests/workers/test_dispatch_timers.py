@@ -17,7 +17,7 @@ def sent(monkeypatch):
     """Record the wake-ups instead of sending them; start with no bucket remembered."""
     messages = []
     monkeypatch.setattr(dispatch, "_timer_wakes_sent", {})
-    monkeypatch.setattr(fire_timer, "apply_async", lambda args, eta, expires: messages.append((args[0], eta)))
+    monkeypatch.setattr(fire_timer, "apply_async", lambda args, eta, expires: messages.append((args[0], eta, args[1])))
     return messages
 
 
@@ -28,7 +28,7 @@ def bucket_start(offset_s: float) -> datetime:
 def test_a_lone_timer_is_woken_at_its_own_time(sent):
     fire_at = bucket_start(5) + timedelta(milliseconds=42)
     dispatch.dispatch_timer(uuid.uuid4(), fire_at)
-    assert [eta for _, eta in sent] == [fire_at]
+    assert [eta for _, eta, _ in sent] == [fire_at]
 
 
 def test_a_burst_in_one_bucket_sends_two_wake_ups_the_last_at_the_buckets_end(sent):
@@ -36,9 +36,11 @@ def test_a_burst_in_one_bucket_sends_two_wake_ups_the_last_at_the_buckets_end(se
     burst = [start + timedelta(milliseconds=90 - i) for i in range(80)]  # 80 timers, all in [start, start + 100 ms)
     for fire_at in burst:
         dispatch.dispatch_timer(uuid.uuid4(), fire_at)
-    assert [eta for _, eta in sent] == [burst[0], start + timedelta(milliseconds=100)]
+    assert [eta for _, eta, _ in sent] == [burst[0], start + timedelta(milliseconds=100)]
     # The bucket-end wake-up comes no earlier than any timer of the bucket, so it drains them all.
     assert max(burst) <= sent[-1][1]
+    # Both stay until the bucket's end: the first fires the later timers as they come due.
+    assert [until for _, _, until in sent] == [(start + timedelta(milliseconds=100)).isoformat()] * 2
 
 
 def test_each_bucket_of_a_spread_burst_gets_its_wake_ups(sent):
@@ -48,7 +50,7 @@ def test_each_bucket_of_a_spread_burst_gets_its_wake_ups(sent):
     assert len(sent) == 20
     for bucket in range(10):
         end = start + timedelta(milliseconds=100 * (bucket + 1))
-        assert end in [eta for _, eta in sent]
+        assert end in [eta for _, eta, _ in sent]
 
 
 def test_a_wake_up_that_could_not_be_sent_is_sent_by_the_next_timer(sent, monkeypatch):
@@ -59,13 +61,13 @@ def test_a_wake_up_that_could_not_be_sent_is_sent_by_the_next_timer(sent, monkey
         if failing[0]:
             failing[0] = False
             raise ConnectionError("broker down")
-        sent.append((args[0], eta))
+        sent.append((args[0], eta, args[1]))
 
     monkeypatch.setattr(fire_timer, "apply_async", apply_async)
     dispatch.dispatch_timer(uuid.uuid4(), start + timedelta(milliseconds=10))
     dispatch.dispatch_timer(uuid.uuid4(), start + timedelta(milliseconds=20))
     dispatch.dispatch_timer(uuid.uuid4(), start + timedelta(milliseconds=30))
-    assert [eta for _, eta in sent] == [start + timedelta(milliseconds=20), start + timedelta(milliseconds=100)]
+    assert [eta for _, eta, _ in sent] == [start + timedelta(milliseconds=20), start + timedelta(milliseconds=100)]
 
 
 def test_timers_beyond_the_eta_horizon_send_nothing_and_reserve_nothing(sent, settings):
@@ -88,3 +90,21 @@ def test_a_wake_up_whose_own_timer_was_cancelled_still_fires_the_others_due(proj
     fire_timer(str(own.id))
     assert sorted(Timer.objects.filter(run=run).values_list("state", flat=True)) == ["CANCELLED", "FIRED", "FIRED"]
     assert Event.objects.filter(type="timer.fired", subject_id__in=[str(t.id) for t in others]).count() == 2
+
+
+@pytest.mark.django_db
+def test_a_wake_up_stays_until_its_buckets_end_and_fires_each_later_timer_when_due_never_before(project, monkeypatch):
+    monkeypatch.setattr(tasks, "close_old_connections", lambda: None)
+    run = run_create(project_id=project.id)
+    now = datetime.now(UTC)
+    first, *later = Timer.objects.bulk_create(
+        Timer(project_id=project.id, run=run, run_path=run.path, fire_at=now + timedelta(milliseconds=ms))
+        for ms in (0, 40, 80, 60_000)
+    )
+    beyond = later.pop()  # due long after the bucket's end: left to its own wake-up
+    fire_timer(str(first.id), (now + timedelta(milliseconds=100)).isoformat())
+    timers = {t.id: t for t in Timer.objects.filter(run=run)}
+    for timer in (first, *later):
+        assert timers[timer.id].state == "FIRED"
+        assert timers[timer.id].fired_at >= timer.fire_at
+    assert timers[beyond.id].state == "ARMED"
