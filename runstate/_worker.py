@@ -405,6 +405,7 @@ class Engine:
             mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
             ttl_ms = int(mailbox["leaseTtlMs"])
         self._ttl_s = ttl_ms / 1000
+        self._completer = _Completer(self._tasks)
         self._completer.start()
         renewer = asyncio.create_task(self._renew_loop(), name="runstate-renew")
         with _sigterm_stops(self, self._loop):

@@ -115,8 +115,7 @@ def test_stopping_sends_the_buffered_completions_before_the_loop_returns(sdk, mo
 
             worker = run.worker("held-back", handler, concurrency=3, handle_signals=False)
             running = asyncio.create_task(worker.run())
-            buffer = worker._engine._completer._pending
-            await until(lambda: len(buffer) == 3, what="three buffered completions")
+            await until(lambda: len(worker._engine._completer._pending) == 3, what="three buffered completions")
             states = {(await ticket.status())["state"] for ticket in tickets}
             worker.stop()
             summary = await asyncio.wait_for(running, 60)
