@@ -9,8 +9,6 @@ unreachable (a size of 10,000, a delay of an hour).
 
 import asyncio
 import logging
-import os
-import signal
 import threading
 import time
 from datetime import timedelta
@@ -23,7 +21,7 @@ from coordination.models import Task
 from coordination.services.sweeps import tasks_settle_expired_leases
 from runstate import AsyncRunstate, Runstate
 from tests.sdk.test_batches import CountingAsyncTransport
-from tests.sdk.test_worker import consumer_process, prepare, read_line, until
+from tests.sdk.test_worker import consumer_process, kill_after, prepare, until
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -260,17 +258,12 @@ def test_one_renewer_tick_renews_every_held_claim_and_a_refusal_trips_that_task_
 def test_a_consumer_killed_with_a_completion_buffered_has_its_task_taken_over(sdk):
     """SIGKILL while a completion waits in the buffer: it was never sent, so the lease runs out and the task reruns."""
     run_id, task_id = prepare("buffered-kill", lease_ttl_ms=1000)
+
+    def only_in_the_buffer():
+        assert Task.objects.get(id=task_id).state == "RUNNING"  # the completion was not sent
+
     process = consumer_process(sdk, run_id, "buffered-kill", "buffer")
-    try:
-        assert read_line(process) == f"claimed {task_id} 1"
-        assert read_line(process) == f"buffered {task_id}"
-        assert Task.objects.get(id=task_id).state == "RUNNING"  # the completion is only in the buffer
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(10)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    kill_after(process, f"claimed {task_id} 1", f"buffered {task_id}", check=only_in_the_buffer)
 
     async def second_consumer():
         async with AsyncRunstate() as rs:
