@@ -3,6 +3,12 @@
 One engine serves both clients. It runs on an asyncio loop; an async handler runs as a task
 on that loop (and is cancelled when its claim is lost), a plain function runs in a daemon
 thread (it cannot be cancelled: it is told through ``ctx.signal`` and its result is dropped).
+
+Completions are buffered and sent through ``POST /v1/claims/complete`` by one flusher task
+when ``FLUSH_SIZE`` are waiting or the oldest has waited ``FLUSH_DELAY_S`` (pgqueuer's and
+River's batch completers work the same way); each waiter gets its own item's answer. One
+renewer tick renews every held claim in one ``POST /v1/claims/renew``. Failures and
+releases have no batch endpoint and are sent one by one.
 """
 
 import asyncio
@@ -22,6 +28,7 @@ from typing import Any, Protocol
 
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncClaim, AsyncTasks
+from runstate._batch import ClaimResult
 from runstate._config import JsonDict, segment
 from runstate._errors import (
     LeaseLostError,
@@ -45,6 +52,11 @@ CLAIM_BACKOFF_MAX_S = 15.0
 MIN_RENEW_INTERVAL_S = 0.05
 # With a short (or no) claim long-poll, pause this long after an empty answer instead of spinning.
 IDLE_PAUSE_S = 0.5
+# The server's cap on ``max`` of one claim call.
+MAX_CLAIMS_PER_CALL = 100
+# Buffered completions are sent when this many wait, or when the oldest has waited this long.
+FLUSH_SIZE = 50
+FLUSH_DELAY_S = 0.02
 
 
 class _Signal(Protocol):
@@ -180,7 +192,103 @@ class _Held:
         self.abandoned = False  # the worker is stopping: the handler is cancelled, the task released
         self.handler: asyncio.Future[Any] | None = None
         self.supervisor: asyncio.Task[None] | None = None
-        self.renewer: asyncio.Task[None] | None = None
+        self.lease_until = monotonic()  # when the lease runs out at the latest, by this process's clock
+
+    def running(self) -> bool:
+        """Return whether the handler is still running (it takes a slot of ``concurrency``)."""
+        return self.handler is not None and not self.handler.done()
+
+
+class _Completer:
+    """Buffered completions, keyed by claim, sent in batches by one flusher task.
+
+    A completion waits until ``FLUSH_SIZE`` are waiting or the oldest has waited
+    ``FLUSH_DELAY_S``, then all that wait go in one ``complete_many`` (at once while stopping).
+    ``complete`` answers what ``claim.complete`` would have: the task, or the item's own
+    error raised (``LeaseLostError``, ``NotFoundError``, ``ScopeCancelledError``...); an error
+    of the whole request (transport, 5xx after the retries) is raised to each of its waiters.
+    """
+
+    def __init__(self, tasks: AsyncTasks) -> None:
+        self._tasks = tasks
+        self._pending: dict[str, tuple[Any, asyncio.Future[ClaimResult]]] = {}
+        self._oldest = 0.0
+        self._wake = asyncio.Event()
+        self._hurry = False
+        self._closed = False
+        self._flusher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._flusher = asyncio.create_task(self._run(), name="runstate-completer")
+
+    def hurry(self) -> None:
+        """Send what waits, and each later completion, at once (the worker is stopping)."""
+        self._hurry = True
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Send what still waits, then end the flusher."""
+        self._closed = True
+        self.hurry()
+        if self._flusher is not None:
+            await self._flusher
+
+    async def complete(self, claim: AsyncClaim, outcome: Any) -> JsonDict:
+        """Buffer the completion of ``claim`` and return the completed task once it is sent."""
+        if self._closed or self._flusher is None or self._flusher.done():
+            return await claim.complete(outcome)
+        if claim.id in self._pending:
+            raise RuntimeError(f"claim {claim.id} is already waiting to be completed")
+        future: asyncio.Future[ClaimResult] = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            self._oldest = monotonic()
+        self._pending[claim.id] = (outcome, future)
+        if len(self._pending) == 1 or len(self._pending) >= FLUSH_SIZE:
+            self._wake.set()
+        result = await future
+        if result.error is not None:
+            raise result.error
+        assert result.task is not None
+        return result.task
+
+    async def _run(self) -> None:
+        while True:
+            if not self._pending:
+                if self._closed:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            left = self._oldest + FLUSH_DELAY_S - monotonic()
+            if len(self._pending) < FLUSH_SIZE and not self._hurry and left > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except TimeoutError:
+                    pass
+                continue
+            await self._flush()
+
+    async def _flush(self) -> None:
+        # A waiter cancelled before the send withdraws its completion.
+        batch = [
+            (claim_id, outcome, future) for claim_id, (outcome, future) in self._pending.items() if not future.done()
+        ]
+        self._pending = {}
+        if not batch:
+            return
+        try:
+            results = await self._tasks.complete_many([(claim_id, outcome) for claim_id, outcome, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - the whole request failed: each waiter hears it
+            for _, _, future in batch:
+                _settle(future, None, exc)
+            return
+        except BaseException:
+            for _, _, future in batch:
+                future.cancel()
+            raise
+        for (_, _, future), result in zip(batch, results, strict=True):
+            _settle(future, result, None)
 
 
 # SIGTERM stops every worker running on a loop; the handler is installed by the first one
@@ -266,6 +374,7 @@ class Engine:
         self._stop_event: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._ttl_s = 30.0
+        self._completer = _Completer(self._tasks)
 
     # Control ----------------------------------------------------------------------------
 
@@ -296,14 +405,22 @@ class Engine:
             mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
             ttl_ms = int(mailbox["leaseTtlMs"])
         self._ttl_s = ttl_ms / 1000
+        self._completer = _Completer(self._tasks)
+        self._completer.start()
+        renewer = asyncio.create_task(self._renew_loop(), name="runstate-renew")
         with _sigterm_stops(self, self._loop):
             try:
-                await self._claim_loop()
-            except BaseException:
-                # Cancelled from outside, or an error that ends the loop: hand everything back now.
-                await self._shutdown(drain_timeout=0)
-                raise
-            await self._shutdown(drain_timeout=self.drain_timeout)
+                try:
+                    await self._claim_loop()
+                except BaseException:
+                    # Cancelled from outside, or an error that ends the loop: hand everything back now.
+                    await self._shutdown(drain_timeout=0)
+                    raise
+                await self._shutdown(drain_timeout=self.drain_timeout)
+            finally:
+                renewer.cancel()
+                await asyncio.gather(renewer, return_exceptions=True)
+                await self._completer.close()  # every completion is sent before the loop returns
         return self.summary
 
     # Claiming ---------------------------------------------------------------------------
@@ -313,14 +430,15 @@ class Engine:
         failures = 0
         while not self._stop_event.is_set():
             self._changed.clear()
-            free = self.concurrency - len(self._held)
+            # A slot frees when its handler returns: the next claim need not wait for the record.
+            free = self.concurrency - sum(1 for held in self._held.values() if held.running())
             if free <= 0:
                 await self._first_of(self._changed.wait())
                 continue
             call = asyncio.ensure_future(
                 self._tasks.claim(
                     self.mailbox,
-                    max=free,
+                    max=min(free, MAX_CLAIMS_PER_CALL),
                     wait_ms=self.claim_wait_ms,
                     lease_ttl_ms=self.lease_ttl_ms,
                     worker_id=self.worker_id,
@@ -382,10 +500,15 @@ class Engine:
         held = _Held(claim, ctx)
         if claim.cancellation_requested:
             ctx._trip("cancellation_requested")
+        held.lease_until = monotonic() + self._ttl_s
         held.handler = asyncio.ensure_future(self._start_handler(ctx))
+        held.handler.add_done_callback(self._slot_freed)
         self._held[claim.id] = held
-        held.renewer = asyncio.create_task(self._renew_loop(held), name=f"runstate-renew-{claim.task_id}")
         held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-task-{claim.task_id}")
+
+    def _slot_freed(self, _: object) -> None:
+        if self._changed is not None:
+            self._changed.set()
 
     def _lose(self, held: _Held, reason: str) -> None:
         """Mark the claim lost: set the signal and cancel the handler (its result can no longer count)."""
@@ -395,29 +518,47 @@ class Engine:
             logger.info("task %s: claim lost (%s); cancelling its handler", held.claim.task_id, reason)
             held.handler.cancel()
 
-    async def _renew_loop(self, held: _Held) -> None:
+    async def _renew_loop(self) -> None:
+        """Every ``renew_fraction`` of the TTL, renew every held claim in one call.
+
+        A claim is renewed at most one interval after it was claimed or last renewed, as a
+        loop per claim would; a renewal that fails in transit is retried at the next tick
+        until the lease would have run out.
+        """
         interval = max(MIN_RENEW_INTERVAL_S, self._ttl_s * self.renew_fraction)
-        lease_until = monotonic() + self._ttl_s
         while True:
             await asyncio.sleep(interval)
+            batch = [held for held in self._held.values() if not held.lost]
+            if not batch:
+                continue
             sent = monotonic()
             try:
-                await held.claim.renew(lease_ttl_ms=self.lease_ttl_ms)
-            except ScopeInactiveError:
-                self._lose(held, "scope_refused")
-                return
-            except TRANSIENT as exc:
-                if monotonic() >= lease_until:
-                    self._lose(held, "lease_lost")
-                    return
-                logger.warning("task %s: renewal failed (%s); retrying", held.claim.task_id, exc)
-                continue
-            except RunstateError:  # LEASE_LOST, NOT_FOUND, or anything else: the claim is gone
-                self._lose(held, "lease_lost")
-                return
-            lease_until = sent + self._ttl_s
-            if held.claim.cancellation_requested:
+                results = await self._tasks.renew_many([held.claim for held in batch], lease_ttl_ms=self.lease_ttl_ms)
+            except Exception as exc:  # noqa: BLE001 - the whole request failed: each claim hears it
+                error = exc if isinstance(exc, RunstateError) else TransportError(f"renewal failed: {exc!r}")
+                if isinstance(error, TRANSIENT):
+                    logger.warning("renewal of %d claim(s) failed (%s); retrying", len(batch), error)
+                results = [ClaimResult(held.claim.id, False, error=error) for held in batch]
+            for held, result in zip(batch, results, strict=True):
+                self._renewed(held, result, sent)
+
+    def _renewed(self, held: _Held, result: ClaimResult, sent: float) -> None:
+        """Apply one claim's renewal answer: extend its lease, or trip its context (that task only)."""
+        error = result.error
+        if error is None:
+            held.lease_until = sent + self._ttl_s
+            if held.claim.cancellation_requested and held.running():
                 held.ctx._trip("cancellation_requested")
+            return
+        if not held.running():
+            return  # the handler returned: the record of its result says what became of the claim
+        if isinstance(error, ScopeInactiveError):
+            self._lose(held, "scope_refused")
+        elif isinstance(error, TRANSIENT):
+            if monotonic() >= held.lease_until:
+                self._lose(held, "lease_lost")
+        else:  # LEASE_LOST, NOT_FOUND, or anything else: the claim is gone
+            self._lose(held, "lease_lost")
 
     async def _supervise(self, held: _Held) -> None:
         assert held.handler is not None
@@ -437,8 +578,6 @@ class Engine:
                 return
             await self._record_outcome(held, outcome)
         finally:
-            if held.renewer is not None:
-                held.renewer.cancel()
             self._held.pop(held.claim.id, None)
             if self._changed is not None:
                 self._changed.set()
@@ -450,7 +589,7 @@ class Engine:
             error = {"type": type(exc).__name__, "message": f"The handler's return value is not JSON: {exc}"}
             await self._record(held, held.claim.fail(error, retry=False), failed=True)
             return
-        await self._record(held, held.claim.complete(outcome), failed=False)
+        await self._record(held, self._completer.complete(held.claim, outcome), failed=False)
 
     async def _record_failure(self, held: _Held, exc: BaseException) -> None:
         logger.warning("task %s attempt %d failed: %r", held.claim.task_id, held.claim.attempt, exc)
@@ -481,7 +620,11 @@ class Engine:
         self.summary.released += 1
 
     async def _shutdown(self, *, drain_timeout: float) -> None:
-        """Let running handlers finish for ``drain_timeout`` s, then cancel them and release their tasks."""
+        """Let running handlers finish for ``drain_timeout`` s, then cancel them and release their tasks.
+
+        Buffered completions are sent at once from here on.
+        """
+        self._completer.hurry()
         running = [held.supervisor for held in self._held.values() if held.supervisor is not None]
         if running and drain_timeout > 0:
             logger.info("stopping: waiting up to %.1f s for %d handler(s)", drain_timeout, len(running))

@@ -3,8 +3,9 @@
     python -m tests.reliability.fault_consumer MAILBOX LEDGER_DIR CONCURRENCY LEASE_TTL_MS
 
 Uses the sync client configured from RUNSTATE_URL / RUNSTATE_API_KEY / RUNSTATE_SCOPE_ID.
-Every claim, renew, complete, fail and release the worker loop sends, and each handler's
-side effect, is recorded in ``LEDGER_DIR/consumer-<pid>.jsonl``. The client makes no
+Every claim, renew, complete, fail and release the worker loop sends (each item of its
+buffered ``complete_many`` / ``renew_many`` batches on its own), and each handler's side
+effect, is recorded in ``LEDGER_DIR/consumer-<pid>.jsonl``. The client makes no
 retries of its own, so each recorded call is one request and a refusal is never the answer
 to a retry of a request that had already committed.
 
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 
 from runstate import Runstate
-from runstate._async.work import AsyncClaim, AsyncTasks
-from tests.reliability.ledger import Ledger
+from runstate._async.work import AsyncClaim, AsyncTasks, claim_id_of
+from tests.reliability.ledger import Ledger, error_code
 
 
 def instrument(ledger: Ledger) -> None:
@@ -49,9 +50,42 @@ def instrument(ledger: Ledger) -> None:
 
         return wrapper
 
+    def recorded_batch(op: str, method):
+        """Record each item of a ``complete_many`` / ``renew_many`` (the loop's buffered calls) on its own."""
+
+        async def wrapper(self, items, **kwargs):
+            items = list(items)
+            pairs = items if op == "complete" else [(claim, None) for claim in items]
+            fields = [
+                {"claim_id": claim_id_of(claim)} | ({"outcome": o} if op == "complete" else {}) for claim, o in pairs
+            ]
+            started = time.monotonic_ns()
+            try:
+                results = await method(self, items, **kwargs)
+            except BaseException as error:
+                code = error_code(error) if isinstance(error, Exception) else None
+                for item in fields:
+                    if code is not None:
+                        ledger.record(op, code=code, started_ns=started, **item)
+                    else:
+                        ledger.record(op, unknown=True, started_ns=started, error_type=type(error).__name__, **item)
+                raise
+            for item, result in zip(fields, results, strict=True):
+                if not result.ok:  # the server answered this item: a refusal
+                    ledger.record(op, code=result.error.code, started_ns=started, **item)
+                elif op == "complete":
+                    ledger.record(op, ok=True, started_ns=started, state=result.task.get("state"), **item)
+                else:
+                    ledger.record(op, ok=True, started_ns=started, **item)
+            return results
+
+        return wrapper
+
     AsyncTasks.claim = recorded_claim
     for op in ("renew", "complete", "fail", "release"):
         setattr(AsyncClaim, op, recorded(op, getattr(AsyncClaim, op)))
+    AsyncTasks.complete_many = recorded_batch("complete", AsyncTasks.complete_many)
+    AsyncTasks.renew_many = recorded_batch("renew", AsyncTasks.renew_many)
 
 
 def main(mailbox: str, ledger_dir: str, concurrency: int, lease_ttl_ms: int) -> None:

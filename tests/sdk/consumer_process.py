@@ -5,16 +5,39 @@
 Uses the sync client configured from RUNSTATE_URL / RUNSTATE_API_KEY / RUNSTATE_SCOPE_ID.
 Prints ``claimed <task id> <attempt>`` when a handler starts and ``summary ...`` on return.
 MODE: ``hang`` (the handler never returns, ignoring its signal), ``finish`` (it returns after
-one second), ``cooperate`` (it returns as soon as its signal is set).
+one second), ``cooperate`` (it returns as soon as its signal is set), ``buffer`` (it returns
+at once, and its completion stays in the loop's buffer: ``buffered <task id>`` is printed
+once it is there; only stopping the loop sends it).
 """
 
+import asyncio
 import sys
 import time
 
+import runstate._worker
 from runstate import Runstate
 
 
+def hold_completions_back() -> None:
+    """Keep completions in the buffer (no size or delay reached) and print each one buffered."""
+    runstate._worker.FLUSH_SIZE = 10_000
+    runstate._worker.FLUSH_DELAY_S = 3600.0
+    complete = runstate._worker._Completer.complete
+
+    async def buffered(self, claim, outcome):
+        sending = asyncio.ensure_future(complete(self, claim, outcome))
+        await asyncio.sleep(0)  # its first step ran: the completion is in the buffer
+        if claim.id in self._pending:
+            print(f"buffered {claim.task_id}", flush=True)
+        return await sending
+
+    runstate._worker._Completer.complete = buffered
+
+
 def main(mailbox: str, mode: str, drain_timeout: float) -> None:
+    if mode == "buffer":
+        hold_completions_back()
+
     def handler(ctx):
         print(f"claimed {ctx.task_id} {ctx.attempt}", flush=True)
         if mode == "hang":

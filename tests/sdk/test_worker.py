@@ -279,17 +279,24 @@ def prepare(mailbox, *, lease_ttl_ms):
     return run.id, ticket.id
 
 
-def test_a_consumer_killed_mid_task_has_its_task_taken_over(sdk):
-    run_id, task_id = prepare("takeover", lease_ttl_ms=1000)
-    process = consumer_process(sdk, run_id, "takeover", "hang")
+def kill_after(process, *lines, check=None):
+    """Read ``lines`` (in order) from ``process``, run ``check()``, then SIGKILL it and reap it."""
     try:
-        assert read_line(process) == f"claimed {task_id} 1"
+        for line in lines:
+            assert read_line(process) == line
+        if check is not None:
+            check()
         os.kill(process.pid, signal.SIGKILL)
         process.wait(10)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_consumer_killed_mid_task_has_its_task_taken_over(sdk):
+    run_id, task_id = prepare("takeover", lease_ttl_ms=1000)
+    kill_after(consumer_process(sdk, run_id, "takeover", "hang"), f"claimed {task_id} 1")
 
     seen = {}
 
