@@ -94,7 +94,7 @@ def rewake_after_s() -> float:
     return float(configured if configured is not None else os.environ.get("RUNSTATE_REWAKE_AFTER_S", "60"))
 
 
-def send_work(bound, task_id: uuid.UUID | str, available_at: datetime | None = None) -> None:
+def send_work(bound, task_id: uuid.UUID | str, available_at: datetime | None = None, *, producer=None) -> None:
     """Send the Celery message that wakes a worker for runstate task ``task_id`` (at ``available_at``).
 
     Call it after commit. A message that cannot be sent, or an ``available_at`` beyond the
@@ -105,9 +105,31 @@ def send_work(bound, task_id: uuid.UUID | str, available_at: datetime | None = N
     if eta is not None and eta - now > timedelta(seconds=settings.RUNSTATE_ETA_HORIZON_S):
         return
     try:
-        bound.celery_task.apply_async(args=[str(task_id)], eta=eta)
+        bound.celery_task.apply_async(args=[str(task_id)], eta=eta, producer=producer)
     except Exception:  # noqa: BLE001 - the re-wake sweep is the safety net
         logger.warning("could not dispatch %s[%s]; the re-wake sweep will send it", bound.name, task_id, exc_info=True)
+
+
+def send_work_batch(wakes: list) -> None:
+    """Send the wake-ups of a batch of submitted tasks (``accept_submitted``'s) in one go.
+
+    One producer, on one broker connection acquired once, publishes every message, as a
+    Celery group does; each message still wakes one worker for one task.
+    """
+    if not wakes:
+        return
+    app = wakes[0].args[0].celery_task.app
+    try:
+        producer_context = app.producer_or_acquire()
+        producer = producer_context.__enter__()
+    except Exception:  # noqa: BLE001 - no broker: every message is the re-wake sweep's
+        logger.warning("could not dispatch %d tasks; the re-wake sweep will send them", len(wakes), exc_info=True)
+        return
+    try:
+        for wake in wakes:
+            wake(producer=producer)
+    finally:
+        producer_context.__exit__(None, None, None)
 
 
 def accept_submitted(task, mailbox):

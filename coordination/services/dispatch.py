@@ -5,6 +5,7 @@ does not load Celery until a wake-up is due). The database stays the truth: a lo
 costs lateness, never correctness, since the periodic sweeps act on everything due.
 """
 
+import functools
 import uuid
 from datetime import datetime
 
@@ -32,6 +33,17 @@ def work_accept(task, mailbox):
     from workers.dispatch import accept_submitted
 
     return accept_submitted(task, mailbox)
+
+
+def work_accepted_on_commit(wakes: list) -> None:
+    """Send, after commit and in one go, the wake-ups ``work_accept`` returned for a batch of submits."""
+    wakes = [wake for wake in wakes if wake is not None]
+    if len(wakes) == 1:
+        transaction.on_commit(wakes[0])
+    elif wakes:
+        from workers.dispatch import send_work_batch
+
+        transaction.on_commit(functools.partial(send_work_batch, wakes))
 
 
 def work_requeued(task) -> None:

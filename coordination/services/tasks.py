@@ -153,11 +153,10 @@ def tasks_submit_many(
         with _item(label, index):
             wakes.append(dispatch.work_accept(task, mailbox))
     inserted = _insert_many(tasks, mailbox, chain, now)
+    dispatch.work_accepted_on_commit([wake for task, wake in zip(tasks, wakes, strict=True) if task.id in inserted])
     answers = []
-    for index, (task, wake) in enumerate(zip(tasks, wakes, strict=True)):
+    for index, task in enumerate(tasks):
         if task.id in inserted:
-            if wake is not None:
-                transaction.on_commit(wake)
             answers.append((task, True))
             continue
         # Not inserted: its key was taken, by an earlier submit or an earlier item of this batch.
