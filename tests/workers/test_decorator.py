@@ -21,7 +21,7 @@ from coordination.services.tasks import task_submit
 from tests.conftest import make_client
 from workers import TaskCancelled, runstate_task
 from workers.decorators import registry
-from workers.dispatch import send_work
+from workers.dispatch import send_work, send_work_batch
 from workers.runtime import execute
 
 pytestmark = pytest.mark.django_db
@@ -135,6 +135,20 @@ def test_submit_creates_the_task_and_dispatches_after_commit(run, django_capture
         again = summarize.submit(run, {"title": "Runstate"}, key="k1")
     assert again.id == task.id
     assert not dispatches(callbacks)
+
+
+def test_a_batch_submit_publishes_its_messages_in_one_go_after_commit(run, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks() as callbacks:
+        tasks = summarize.submit_many(run.id, [{"title": f"t{i}"} for i in range(5)])
+    assert [t.state for t in tasks] == ["QUEUED"] * 5
+    # One after-commit callback sends every message, one per task, through one producer.
+    (batch,) = [cb for cb in callbacks if isinstance(cb, functools.partial) and cb.func is send_work_batch]
+    assert not dispatches(callbacks)
+    (wakes,) = batch.args
+    assert [wake.args[:2] for wake in wakes] == [(summarize, t.id) for t in tasks]
+    with pytest.raises(exceptions.ValidationFailed):
+        summarize.submit_many(run.id, [{"title": "ok"}, {"title": ""}])
+    assert Task.objects.filter(run=run).count() == 5
 
 
 def test_a_submit_to_an_unbound_mailbox_sends_nothing(run, django_capture_on_commit_callbacks):
