@@ -148,13 +148,6 @@ def accept_submitted(task, mailbox):
     return functools.partial(send_work, bound, task.id, task.available_at)
 
 
-def dispatch_submitted_on_commit(task, mailbox) -> None:
-    """Validate a new task's input (``accept_submitted``) and send its message after commit."""
-    wake = accept_submitted(task, mailbox)
-    if wake is not None:
-        transaction.on_commit(wake)
-
-
 def dispatch_requeued_on_commit(task) -> None:
     """Send the message of a task that went back to ``QUEUED`` in a bound mailbox, after commit."""
     from coordination.models import Task
