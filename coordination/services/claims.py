@@ -140,9 +140,15 @@ SELECT {_TASK} FROM done ORDER BY done.priority DESC, done.created_at
 # row and the careful path answers. A concurrent claimer of the same row makes this UPDATE
 # wait and re-check the row, which is then RUNNING: no match.
 CLAIM_BY_ID_SQL = f"""
-WITH {
+WITH target AS MATERIALIZED (
+    -- Found by primary key alone, then updated by its row address (a TID scan): the planner
+    -- never scans a project's queued tasks for it. A row changed meanwhile is re-checked
+    -- in its newest version by the UPDATE's own conditions (state, times).
+    SELECT ctid, id, run_id, project_id, mailbox_id FROM coordination_task WHERE id = %(task_id)s
+), {
     CHAIN_KEY_SHARE_CTE.replace(
-        "%(run_id)s", "(SELECT run_id FROM coordination_task WHERE id = %(task_id)s AND project_id = %(project_id)s)"
+        "WHERE id = %(run_id)s AND project_id = %(project_id)s",
+        "WHERE id = (SELECT run_id FROM target) AND project_id = %(project_id)s",
     )
 }, gate AS (
     SELECT {CHAIN_ACTIVE_SQL} AS open FROM chain
@@ -151,9 +157,10 @@ WITH {
     SET state = 'RUNNING', attempts = t.attempts + 1,
         lease_expires_at = %(now)s + coalesce(%(lease_ttl_ms)s, m.lease_ttl_ms) * interval '1 millisecond',
         worker_id = %(worker_id)s, started_at = coalesce(t.started_at, %(now)s)
-    FROM coordination_mailbox m
-    WHERE t.id = %(task_id)s AND t.project_id = %(project_id)s AND m.id = t.mailbox_id
-      AND (%(mailbox_id)s::uuid IS NULL OR t.mailbox_id = %(mailbox_id)s::uuid)
+    FROM target, coordination_mailbox m
+    WHERE t.ctid = target.ctid AND t.id = target.id AND m.id = target.mailbox_id
+      AND target.project_id = %(project_id)s  -- a task's project and mailbox never change
+      AND (%(mailbox_id)s::uuid IS NULL OR target.mailbox_id = %(mailbox_id)s::uuid)
       AND t.state = 'QUEUED' AND t.available_at <= %(now)s AND (t.expires_at IS NULL OR t.expires_at > %(now)s)
       AND (SELECT open FROM gate)
     RETURNING t.*
