@@ -184,6 +184,8 @@ class Renewer:
         self._held: dict[str, Held] = {}
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # When the thread wakes on its own next (monotonic); a claim due later needs no wake-up.
+        self._sleeping_until = 0.0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -196,7 +198,9 @@ class Renewer:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="runstate-renewer", daemon=True)
                 self._thread.start()
-        self._wake.set()
+            wake = held.due < self._sleeping_until
+        if wake:
+            self._wake.set()
         return held
 
     def let_go(self, held: Held) -> None:
@@ -232,6 +236,7 @@ class Renewer:
                     held.done.clear()
                     held.explicit = False
                 waiting = [held.due for held in renewing]
+                self._sleeping_until = 0.0 if batch else min(waiting, default=float("inf"))
             if batch:
                 self._renew(batch)
                 continue
