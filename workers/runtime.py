@@ -186,6 +186,9 @@ class Renewer:
         self._thread: threading.Thread | None = None
         # When the thread wakes on its own next (monotonic); a claim due later needs no wake-up.
         self._sleeping_until = 0.0
+        # With nothing to renew, it still wakes this often (the shortest renewal interval seen),
+        # so a claim taken meanwhile, due an interval later, needs no wake-up either.
+        self._idle_nap_s = 1.0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -198,6 +201,7 @@ class Renewer:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="runstate-renewer", daemon=True)
                 self._thread.start()
+            self._idle_nap_s = min(self._idle_nap_s, held.interval_s)
             wake = held.due < self._sleeping_until
         if wake:
             self._wake.set()
@@ -236,15 +240,14 @@ class Renewer:
                     held.done.clear()
                     held.explicit = False
                 waiting = [held.due for held in renewing]
-                self._sleeping_until = 0.0 if batch else min(waiting, default=float("inf"))
+                self._sleeping_until = 0.0 if batch else min(waiting, default=now + self._idle_nap_s)
             if batch:
                 self._renew(batch)
                 continue
             if not waiting:
-                # Nothing to renew until a claim comes: hold no connection meanwhile.
+                # Nothing to renew: hold no connection meanwhile.
                 connection.close()
-            timeout = max(0.0, min(waiting) - time.monotonic()) if waiting else None
-            self._wake.wait(timeout)
+            self._wake.wait(max(0.0, self._sleeping_until - time.monotonic()))
             self._wake.clear()
 
     def _renew(self, batch: list[Held]) -> None:
