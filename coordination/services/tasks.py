@@ -133,18 +133,7 @@ def tasks_submit_many(
         with dispatch.work_wakes_batched():
             for index, spec in enumerate(items):
                 with _item(label, index):
-                    answers.append(
-                        task_submit(
-                            project_id=project_id,
-                            mailbox=mailbox,
-                            run_id=run_id,
-                            input=spec.input,
-                            key=spec.key,
-                            priority=spec.priority,
-                            max_attempts=spec.max_attempts,
-                            expires_at=spec.expires_at,
-                        )
-                    )
+                    answers.append(task_submit(project_id=project_id, mailbox=mailbox, run_id=run_id, **vars(spec)))
         return answers
     chain = run_chain_lock_active(run_id, project_id=project_id)
     tasks = [_new_task(project_id, mailbox, run_id, spec, now) for spec in items]
