@@ -173,6 +173,9 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+_meter_db = None  # the CPU meter's own connection (psycopg), kept for the whole run
+
+
 class CpuMeter:
     """CPU used by the worker's process tree and by the benchmark database's PostgreSQL backends."""
 
@@ -180,12 +183,16 @@ class CpuMeter:
         import psycopg
         from django.db import connection
 
+        global _meter_db
         self.worker_pid = worker_pid
+        if _meter_db is None or _meter_db.closed:
+            # Opened once and kept: a busy server may have no connection to spare later.
+            _meter_db = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
+        self._db = _meter_db
         # This process's own backend (it polls for the tasks' end) is not the worker's cost.
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_backend_pid()")
             self._own = cursor.fetchone()[0]
-        self._db = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
         self._stop = threading.Event()
         self._backends: dict[int, tuple[float, float]] = {}  # pid -> (CPU at first sight, last seen)
 
@@ -219,7 +226,6 @@ class CpuMeter:
         self._poll()
         self.worker_ms = sum(cpu_ms(pid) for pid in self._worker_pids) - self._worker_before
         self.postgres_ms = sum(last - first for first, last in self._backends.values())
-        self._db.close()
 
 
 _worker: subprocess.Popen | None = None
