@@ -1,6 +1,6 @@
 """Celery throughput: tasks through ``@runstate_task`` against a plain Celery no-op, same run, same worker.
 
-    .venv/bin/python -m bench.celery [--tasks N] [--processes 2,4] [--submitters S] [--record]
+    .venv/bin/python -m bench.celery [--tasks N] [--processes 2,4] [--submitters S] [--record] [--json PATH]
 
 For each worker size W (prefork, ``--concurrency=W``), one ``celery worker`` process serves
 both scenarios, one after the other:
@@ -8,13 +8,22 @@ both scenarios, one after the other:
 * plain: N messages of a plain ``@shared_task`` whose body is one Redis ``INCR`` (how the
   benchmark learns it ran); time from the first send until the counter reaches N;
 * runstate: N ``noop.submit(run, {})`` calls (a task row, its event, the Celery message
-  after commit), each executed by the decorated no-op (claim by id under a lease, heartbeat
-  thread, complete); time from the first submit until N tasks are ``SUCCEEDED``.
+  after commit), each executed by the decorated no-op (claim by id under a lease, the
+  process's shared renewer, complete); time from the first submit until N tasks are
+  ``SUCCEEDED``.
 
 S threads (``--submitters``, default 2) send or submit in both scenarios. The ratio
 runstate / plain is what the guarantees cost: two short transactions per task (claim,
 complete) plus the submit's, on PostgreSQL. Afterwards one query checks every task
 ``SUCCEEDED`` exactly once (``attempts = 1``, N ``task.succeeded`` events).
+
+Drain scenarios also report CPU milliseconds per task: the worker's (its main process and
+pool children, from /proc) and PostgreSQL's (the backends connected to the benchmark
+database, polled every 0.1 s from ``pg_stat_activity``; a backend that comes and goes
+between two polls is missed, so with a connection per task that figure is a lower bound).
+``--json PATH`` writes the figures of 2 worker processes (``plain_drain_per_s``,
+``runstate_drain_per_s``, ``ratio_drain``, ``plain_pipeline_per_s``,
+``runstate_pipeline_per_s``, ``ratio_pipeline``, and the CPU figures) and of every size.
 
 Needs PostgreSQL (``DATABASE_URL``, default
 ``postgres://postgres@127.0.0.1:5432/runstate_bench_celery``, created and migrated when
@@ -59,6 +68,7 @@ if not apps.ready:
 
 import argparse  # noqa: E402
 import datetime as dt  # noqa: E402
+import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -79,6 +89,11 @@ TABLE_HEADER = [
     "| processes | pipeline: plain no-op | pipeline: `@runstate_task` no-op | ratio | submit only "
     "| drain: plain no-op | drain: `@runstate_task` no-op | ratio |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",
+]
+CPU_HEADER = [
+    "| processes | CPU ms/task, drain: plain worker | plain PostgreSQL | `@runstate_task` worker | "
+    "`@runstate_task` PostgreSQL |",
+    "| --- | --- | --- | --- | --- |",
 ]
 
 
@@ -128,6 +143,94 @@ def wait_for_quiet(threshold: float, max_wait_s: float) -> str:
     return f"{'quiet' if busy < threshold else 'BUSY'} ({busy:.0%} busy before)"
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_ms(pid: int) -> float:
+    """Return the CPU time (user + system) process ``pid`` used so far, in ms; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * 1000 / _TICKS_PER_S
+
+
+def process_tree(pid: int) -> list[int]:
+    """Return ``pid`` and its descendants (from /proc/*/stat)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parents[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        tree.extend(frontier)
+    return tree
+
+
+_meter_db = None  # the CPU meter's own connection (psycopg), kept for the whole run
+
+
+class CpuMeter:
+    """CPU used by the worker's process tree and by the benchmark database's PostgreSQL backends."""
+
+    def __init__(self, worker_pid: int) -> None:
+        import psycopg
+        from django.db import connection
+
+        global _meter_db
+        self.worker_pid = worker_pid
+        if _meter_db is None or _meter_db.closed:
+            # Opened once and kept: a busy server may have no connection to spare later.
+            _meter_db = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
+        self._db = _meter_db
+        # This process's own backend (it polls for the tasks' end) is not the worker's cost.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            self._own = cursor.fetchone()[0]
+        self._stop = threading.Event()
+        self._backends: dict[int, tuple[float, float]] = {}  # pid -> (CPU at first sight, last seen)
+
+    def _poll(self) -> None:
+        rows = self._db.execute(
+            "SELECT pid, backend_start >= %s FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND pid <> %s",
+            [self._started_at, self._own],
+        ).fetchall()
+        for pid, new in rows:
+            used = cpu_ms(pid)
+            first, _ = self._backends.get(pid, (0.0 if new else used, used))
+            self._backends[pid] = (first, max(used, self._backends.get(pid, (0, 0))[1]))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.1):
+            self._poll()
+
+    def __enter__(self) -> CpuMeter:
+        self._started_at = self._db.execute("SELECT now()").fetchone()[0]
+        self._worker_pids = process_tree(self.worker_pid)
+        self._worker_before = sum(cpu_ms(pid) for pid in self._worker_pids)
+        self._poll()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        self.worker_ms = sum(cpu_ms(pid) for pid in self._worker_pids) - self._worker_before
+        self.postgres_ms = sum(last - first for first, last in self._backends.values())
+
+
+_worker: subprocess.Popen | None = None
+
+
 def start_worker(processes: int, log_path: Path) -> subprocess.Popen:
     command = [
         sys.executable,
@@ -145,8 +248,10 @@ def start_worker(processes: int, log_path: Path) -> subprocess.Popen:
         "--without-mingle",
         "--without-heartbeat",
     ]
+    global _worker
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it until it exits
-    return subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+    _worker = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+    return _worker
 
 
 def stop_worker(worker: subprocess.Popen) -> None:
@@ -199,6 +304,9 @@ def resume_consuming() -> None:
         raise SystemExit("the worker did not answer add_consumer")
 
 
+CPU: dict[str, tuple[float, float]] = {}  # scenario -> (worker ms, PostgreSQL ms) per task, last drain
+
+
 def run_plain(broker: redis.Redis, tasks: int, submitters: int, drain: bool = False) -> float:
     """Return tasks/s: from the first send to the last run, or (``drain``) of a queue filled beforehand."""
     broker.delete(COUNTER)
@@ -206,11 +314,16 @@ def run_plain(broker: redis.Redis, tasks: int, submitters: int, drain: bool = Fa
         pause_consuming()
     started = time.perf_counter()
     in_threads(tasks, submitters, lambda i: plain_noop.apply_async())
-    if drain:
+    if not drain:
+        wait_for(lambda: int(broker.get(COUNTER) or 0) >= tasks, 600, "the plain tasks")
+        return tasks / (time.perf_counter() - started)
+    with CpuMeter(_worker.pid) as meter:
         started = time.perf_counter()
         resume_consuming()
-    wait_for(lambda: int(broker.get(COUNTER) or 0) >= tasks, 600, "the plain tasks")
-    return tasks / (time.perf_counter() - started)
+        wait_for(lambda: int(broker.get(COUNTER) or 0) >= tasks, 600, "the plain tasks")
+        elapsed = time.perf_counter() - started
+    CPU["plain"] = (meter.worker_ms / tasks, meter.postgres_ms / tasks)
+    return tasks / elapsed
 
 
 def run_runstate(tasks: int, submitters: int, drain: bool = False) -> tuple[float, float, bool]:
@@ -224,11 +337,20 @@ def run_runstate(tasks: int, submitters: int, drain: bool = False) -> tuple[floa
     started = submit_started = time.perf_counter()
     in_threads(tasks, submitters, lambda i: noop.submit(run.id, {}))
     submit_done = time.perf_counter()
+
+    def all_done() -> bool:
+        return Task.objects.filter(run=run, state="SUCCEEDED").count() >= tasks
+
     if drain:
-        started = time.perf_counter()
-        resume_consuming()
-    wait_for(lambda: Task.objects.filter(run=run, state="SUCCEEDED").count() >= tasks, 600, "the runstate tasks")
-    elapsed = time.perf_counter() - started
+        with CpuMeter(_worker.pid) as meter:
+            started = time.perf_counter()
+            resume_consuming()
+            wait_for(all_done, 600, "the runstate tasks")
+            elapsed = time.perf_counter() - started
+        CPU["runstate"] = (meter.worker_ms / tasks, meter.postgres_ms / tasks)
+    else:
+        wait_for(all_done, 600, "the runstate tasks")
+        elapsed = time.perf_counter() - started
     rows = Task.objects.filter(run=run)
     events = Event.objects.filter(run_id=run.id, type="task.succeeded")
     exactly_once = (
@@ -253,6 +375,7 @@ def main(argv=None) -> int:
     parser.add_argument("--submitters", type=int, default=2, help="threads sending or submitting (default 2)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds per size; the median is reported")
     parser.add_argument("--record", action="store_true", help="append the figures to docs/benchmarks.md")
+    parser.add_argument("--json", metavar="PATH", help="write the figures (2 processes at the top level) as JSON")
     parser.add_argument("--quiet-threshold", type=float, default=0.25, help="wait for the machine below this busy")
     parser.add_argument("--max-quiet-wait", type=float, default=300, help="seconds to wait for a quiet machine")
     args = parser.parse_args(argv)
@@ -270,6 +393,7 @@ def main(argv=None) -> int:
     print(f"{args.tasks} tasks per scenario, {args.submitters} submitting threads, {os.cpu_count()} CPUs")
 
     results = []
+    cpu_results: dict[int, list[float]] = {}
     quiet_notes: list[str] = []
     all_exact = True
     for size in sizes:
@@ -285,26 +409,65 @@ def main(argv=None) -> int:
                 plain_drain = run_plain(broker, args.tasks, args.submitters, drain=True)
                 guarded_drain, _, exact_drain = run_runstate(args.tasks, args.submitters, drain=True)
                 all_exact = all_exact and exact and exact_drain
-                rounds.append((plain, guarded, submitted, plain_drain, guarded_drain))
+                cpu = (*CPU["plain"], *CPU["runstate"])
+                rounds.append((plain, guarded, submitted, plain_drain, guarded_drain, *cpu))
                 print(
                     f"  {size} processes: pipeline plain {plain:5.0f}/s runstate {guarded:4.0f}/s "
                     f"(submit only {submitted:4.0f}/s); drain plain {plain_drain:5.0f}/s runstate "
                     f"{guarded_drain:4.0f}/s; exactly once: {'yes' if exact and exact_drain else 'NO'}; {quiet}"
                 )
+                print(
+                    "    CPU ms per task (drain): plain worker {:.2f} PostgreSQL {:.2f}; "
+                    "runstate worker {:.2f} PostgreSQL {:.2f}".format(*cpu)
+                )
         finally:
             stop_worker(worker)
-        results.append((size, *(statistics.median(column) for column in zip(*rounds, strict=True))))
+        medians = [statistics.median(column) for column in zip(*rounds, strict=True)]
+        results.append((size, *medians[:5]))
+        cpu_results[size] = medians[5:]
 
     lines = [
         f"| {size} | {plain:.0f} | {guarded:.0f} | {guarded / plain:.2f} | {submitted:.0f} "
         f"| {plain_drain:.0f} | {guarded_drain:.0f} | {guarded_drain / plain_drain:.2f} |"
         for size, plain, guarded, submitted, plain_drain, guarded_drain in results
     ]
+    cpu_lines = [
+        f"| {size} | {plain_w:.2f} | {plain_pg:.2f} | {guarded_w:.2f} | {guarded_pg:.2f} |"
+        for size, (plain_w, plain_pg, guarded_w, guarded_pg) in cpu_results.items()
+    ]
     print()
     print("\n".join([*TABLE_HEADER, *lines]))
+    print()
+    print("\n".join([*CPU_HEADER, *cpu_lines]))
+    if args.json:
+        write_json(args.json, results, cpu_results, all_exact)
     if args.record:
-        record(args, lines, quiet_notes)
+        record(args, [*lines, "", *CPU_HEADER, *cpu_lines], quiet_notes)
     return 0 if all_exact else 1
+
+
+def write_json(path: str, results: list[tuple], cpu_results: dict[int, list[float]], exact: bool) -> None:
+    """Write the figures: the top-level keys are those of 2 worker processes (else the first size)."""
+    sizes = {}
+    for size, plain, guarded, submitted, plain_drain, guarded_drain in results:
+        plain_w, plain_pg, guarded_w, guarded_pg = cpu_results[size]
+        sizes[size] = {
+            "plain_drain_per_s": round(plain_drain, 1),
+            "runstate_drain_per_s": round(guarded_drain, 1),
+            "ratio_drain": round(guarded_drain / plain_drain, 3),
+            "plain_pipeline_per_s": round(plain, 1),
+            "runstate_pipeline_per_s": round(guarded, 1),
+            "ratio_pipeline": round(guarded / plain, 3),
+            "runstate_submit_only_per_s": round(submitted, 1),
+            "plain_worker_cpu_ms_per_task": round(plain_w, 3),
+            "plain_postgres_cpu_ms_per_task": round(plain_pg, 3),
+            "runstate_worker_cpu_ms_per_task": round(guarded_w, 3),
+            "runstate_postgres_cpu_ms_per_task": round(guarded_pg, 3),
+        }
+    top = sizes.get(2) or next(iter(sizes.values()))
+    document = {**top, "processes": {str(size): figures for size, figures in sizes.items()}, "exactly_once": exact}
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+    print(f"figures written to {path}")
 
 
 def record(args, lines: list[str], quiet_notes: list[str]) -> None:

@@ -28,19 +28,33 @@ def _ensure_periodic_sweeps(sender=None, **kwargs) -> None:
 
 @worker_init.connect
 def _keep_database_connections(sender=None, **kwargs) -> None:
-    """Give each worker thread or process one persistent database connection.
+    """Give each worker thread or process one persistent database connection, checked only after an error.
 
     The connection pool exists for the API, where every request runs in a thread of its
     own; a worker's pool threads (or forked processes) live on, so a persistent connection
     each is simpler and cheaper, and a pool must not cross a fork anyway.
+
+    Celery's Django fixup closes every connection before and after each task (Celery 5.7
+    ignores ``CONN_MAX_AGE`` there), which costs a new connection per task. Around a task
+    the worker does what Django does around a request instead (``close_old_connections``):
+    a connection is closed when it is older than ``RUNSTATE_WORKER_CONN_MAX_AGE`` seconds,
+    or when a database error happened on it and it no longer answers (so a worker recovers
+    from a PostgreSQL restart). No health check runs otherwise (``CONN_HEALTH_CHECKS``
+    off): a query per task for nothing.
     """
     from django.conf import settings
-    from django.db import connections
+    from django.db import close_old_connections, connections
 
     max_age = int(os.environ.get("RUNSTATE_WORKER_CONN_MAX_AGE", "300"))
     for settings_dict in (settings.DATABASES["default"], connections["default"].settings_dict):
         settings_dict.get("OPTIONS", {}).pop("pool", None)
         settings_dict["CONN_MAX_AGE"] = max_age
+        settings_dict["CONN_HEALTH_CHECKS"] = False
+    for fixup in getattr(app, "_fixups", None) or ():
+        worker_fixup = getattr(fixup, "worker_fixup", None)
+        if worker_fixup is not None and hasattr(worker_fixup, "close_database"):
+            # The fixup's task_prerun/postrun handlers call this attribute.
+            worker_fixup.close_database = lambda **kwargs: close_old_connections()
 
 
 @worker_init.connect

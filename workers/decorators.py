@@ -298,6 +298,26 @@ class RunstateTask:
         )
         return task
 
+    def submit_many(self, run_id: uuid.UUID | str | Any, inputs: list[object], *, priority: int = 0) -> list:
+        """Submit one runstate task per input under ``run_id`` in one transaction, all or nothing; return them.
+
+        The tasks and their events are written by one statement on PostgreSQL, and after
+        commit their Celery messages are published in one go (one producer), one per task.
+        """
+        from coordination.models import Mailbox
+        from coordination.services.tasks import TaskSpec, tasks_submit_many
+
+        project_id, mailbox_id = self.ids()
+        mailbox = Mailbox.objects.get(id=mailbox_id)
+        run_id = getattr(run_id, "id", run_id)
+        answers = tasks_submit_many(
+            project_id=project_id,
+            mailbox=mailbox,
+            run_id=uuid.UUID(str(run_id)),
+            items=[TaskSpec(input={} if input is None else input, priority=priority) for input in inputs],
+        )
+        return [task for task, _ in answers]
+
     def kwargs_for(self, input: object) -> dict[str, Any]:
         """Return the input keys the function declares as keyword arguments."""
         if not isinstance(input, dict):

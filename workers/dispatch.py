@@ -97,7 +97,7 @@ def rewake_after_s() -> float:
     return float(configured if configured is not None else os.environ.get("RUNSTATE_REWAKE_AFTER_S", "60"))
 
 
-def send_work(bound, task_id: uuid.UUID | str, available_at: datetime | None = None) -> None:
+def send_work(bound, task_id: uuid.UUID | str, available_at: datetime | None = None, *, producer=None) -> None:
     """Send the Celery message that wakes a worker for runstate task ``task_id`` (at ``available_at``).
 
     Call it after commit. A message that cannot be sent, or an ``available_at`` beyond the
@@ -108,9 +108,31 @@ def send_work(bound, task_id: uuid.UUID | str, available_at: datetime | None = N
     if eta is not None and eta - now > timedelta(seconds=settings.RUNSTATE_ETA_HORIZON_S):
         return
     try:
-        bound.celery_task.apply_async(args=[str(task_id)], eta=eta)
+        bound.celery_task.apply_async(args=[str(task_id)], eta=eta, producer=producer)
     except Exception:  # noqa: BLE001 - the re-wake sweep is the safety net
         logger.warning("could not dispatch %s[%s]; the re-wake sweep will send it", bound.name, task_id, exc_info=True)
+
+
+def send_work_batch(wakes: list) -> None:
+    """Send the wake-ups of a batch of submitted tasks (``accept_submitted``'s) in one go.
+
+    One producer, on one broker connection acquired once, publishes every message, as a
+    Celery group does; each message still wakes one worker for one task.
+    """
+    if not wakes:
+        return
+    app = wakes[0].args[0].celery_task.app
+    try:
+        producer_context = app.producer_or_acquire()
+        producer = producer_context.__enter__()
+    except Exception:  # noqa: BLE001 - no broker: every message is the re-wake sweep's
+        logger.warning("could not dispatch %d tasks; the re-wake sweep will send them", len(wakes), exc_info=True)
+        return
+    try:
+        for wake in wakes:
+            wake(producer=producer)
+    finally:
+        producer_context.__exit__(None, None, None)
 
 
 def accept_submitted(task, mailbox):
@@ -127,13 +149,6 @@ def accept_submitted(task, mailbox):
         return None
     bound.validate_input(task.input)
     return functools.partial(send_work, bound, task.id, task.available_at)
-
-
-def dispatch_submitted_on_commit(task, mailbox) -> None:
-    """Validate a new task's input (``accept_submitted``) and send its message after commit."""
-    wake = accept_submitted(task, mailbox)
-    if wake is not None:
-        transaction.on_commit(wake)
 
 
 def dispatch_requeued_on_commit(task) -> None:

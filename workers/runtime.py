@@ -7,15 +7,16 @@ Celery message runs ``execute``:
 1. claim the task by id under a lease (``task_claim_by_id``): a duplicate delivery, a task
    someone else holds or a finished task answers None and the message is simply acked; an
    inactive run refuses with its code;
-2. run the handler with a ``TaskContext`` while a heartbeat thread renews the lease every
-   third of its TTL and carries a cancellation request (or a lost claim) back as
-   ``ctx.signal``; an async handler's asyncio task is cancelled on the signal;
+2. run the handler with a ``TaskContext`` while the process's renewer (one thread for every
+   claim the process holds, one batched statement per tick) renews the lease every third of
+   its TTL and carries a cancellation request (or a lost claim) back as ``ctx.signal``; an
+   async handler's asyncio task is cancelled on the signal;
 3. record the outcome with the claim: a return completes it (``CANCELLED`` when cancellation
    was requested), an exception fails it (back to the queue with a delay while attempts
    remain, which sends a new message after commit), a lost claim or a refused run records
    nothing more.
 
-After a cancellation request the heartbeat stops renewing on its own: a handler that ignores
+After a cancellation request the renewer stops renewing that claim on its own: a handler that ignores
 the signal keeps its claim until the lease (or the cancel's grace) runs out, and the lease
 sweep then records ``CANCELLED``. ``ctx.heartbeat()`` still renews explicitly, for cleanup
 that needs longer. Celery's ``revoke`` plays no part.
@@ -29,15 +30,24 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import SoftTimeLimitExceeded
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 
 from coordination import exceptions
-from coordination.services.claims import Claim, claim_complete, claim_fail, claim_release, claim_renew, task_claim_by_id
+from coordination.services.claims import (
+    MAX_BATCH,
+    Claim,
+    claim_complete,
+    claim_fail,
+    claim_release,
+    claims_renew_many,
+    task_claim_by_id,
+)
 from coordination.states import TaskState
 
 if TYPE_CHECKING:
@@ -76,7 +86,7 @@ class TaskContext:
         self._cancellation_requested = False
         self._callbacks: list = []
         self._lock = threading.Lock()
-        self._heartbeat: Heartbeat | None = None
+        self._held: Held | None = None
 
     def __repr__(self) -> str:
         return f"<TaskContext task={self.task_id} attempt={self.attempt}>"
@@ -98,11 +108,11 @@ class TaskContext:
 
     def heartbeat(self) -> bool:
         """Renew the lease now (also after a cancellation request); return whether the claim still holds."""
-        if self._heartbeat is None:
+        if self._held is None:
             return not self.lease_lost
-        return self._heartbeat.renew_now()
+        return renewer().renew_now(self._held)
 
-    # Called by the heartbeat thread ----------------------------------------------------------
+    # Called by the renewer thread ----------------------------------------------------------
 
     def _request_cancellation(self) -> None:
         self._cancellation_requested = True
@@ -139,82 +149,160 @@ class TaskContext:
             self._callbacks.clear()
 
 
-class Heartbeat:
-    """A thread renewing one claim's lease every third of its TTL.
+class Held:
+    """One claim the process holds, as the renewer sees it."""
 
-    It opens its own database connection only when it first renews, so a handler shorter
-    than a third of the lease costs no connection, and closes it when it stops.
-    """
+    __slots__ = ("ctx", "done", "due", "explicit", "interval_s", "project_id", "renew_ttl_ms")
 
     def __init__(self, ctx: TaskContext, *, project_id: uuid.UUID, lease_ttl_ms: int, renew_ttl_ms: int | None):
         self.ctx = ctx
         self.project_id = project_id
         self.renew_ttl_ms = renew_ttl_ms
         self.interval_s = lease_ttl_ms / 3000
-        self.held = True
+        self.due = time.monotonic() + self.interval_s
+        self.explicit = False
+        # Set while no renewal of this claim is in flight.
+        self.done = threading.Event()
+        self.done.set()
+
+
+class Renewer:
+    """One thread per worker process renewing every claim the process holds.
+
+    Each claim is renewed every third of its lease TTL; whatever is due at a tick (or
+    within half its own interval) is renewed together, in one ``claims_renew_many``
+    statement per project. The per-item answers come back to each task's context: a
+    cancellation request sets ``ctx.signal``; a lost claim (lease taken over, task gone, run
+    inactive) sets it and stops renewing that claim only. After a cancellation request a
+    claim is renewed only explicitly (``ctx.heartbeat()``). The thread starts on the first
+    claim in a process (a forked pool child starts its own); its database connection is
+    closed after an error (the next tick reconnects) and while it holds no claim.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, Held] = {}
         self._wake = threading.Event()
-        self._stopping = False
-        self._explicit = False
-        self._explicit_done = threading.Event()
-        self._explicit_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=f"runstate-heartbeat-{ctx.task_id}", daemon=True)
+        self._thread: threading.Thread | None = None
+        # When the thread wakes on its own next (monotonic); a claim due later needs no wake-up.
+        self._sleeping_until = 0.0
+        # With nothing to renew, it still wakes this often (the shortest renewal interval seen),
+        # so a claim taken meanwhile, due an interval later, needs no wake-up either.
+        self._idle_nap_s = 1.0
 
-    def start(self) -> None:
-        self._thread.start()
+    def __len__(self) -> int:
+        return len(self._held)
 
-    def stop(self) -> None:
-        """Stop renewing and wait for the thread (a renewal in progress finishes first)."""
-        self._stopping = True
-        self._wake.set()
-        self._thread.join()
-
-    def renew_now(self) -> bool:
-        """Ask the thread to renew at once and wait for it; return whether the claim still holds."""
-        with self._explicit_lock:
-            if not self.held or self._stopping:
-                return self.held
-            self._explicit_done.clear()
-            self._explicit = True
+    def hold(self, ctx: TaskContext, *, project_id: uuid.UUID, lease_ttl_ms: int, renew_ttl_ms: int | None) -> Held:
+        """Renew ``ctx``'s claim from now on, until ``let_go``."""
+        held = Held(ctx, project_id=project_id, lease_ttl_ms=lease_ttl_ms, renew_ttl_ms=renew_ttl_ms)
+        with self._lock:
+            self._held[ctx.claim_id] = held
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="runstate-renewer", daemon=True)
+                self._thread.start()
+            self._idle_nap_s = min(self._idle_nap_s, held.interval_s)
+            wake = held.due < self._sleeping_until
+        if wake:
             self._wake.set()
-            self._explicit_done.wait(EXPLICIT_HEARTBEAT_TIMEOUT_S)
-        return self.held
+        return held
+
+    def let_go(self, held: Held) -> None:
+        """Stop renewing ``held``; a renewal of it in flight finishes first."""
+        with self._lock:
+            if self._held.get(held.ctx.claim_id) is held:
+                del self._held[held.ctx.claim_id]
+        held.done.wait()
+
+    def renew_now(self, held: Held) -> bool:
+        """Renew ``held`` at the next tick, at once, and wait for it; return whether the claim still holds."""
+        with self._lock:
+            if self._held.get(held.ctx.claim_id) is not held:
+                return not held.ctx.lease_lost
+            held.explicit = True
+            held.done.clear()
+        self._wake.set()
+        held.done.wait(EXPLICIT_HEARTBEAT_TIMEOUT_S)
+        return not held.ctx.lease_lost
 
     def _loop(self) -> None:
-        try:
-            while self.held:
-                self._wake.wait(self.interval_s)
-                self._wake.clear()
-                if self._stopping:
-                    break
-                explicit, self._explicit = self._explicit, False
-                # After a cancellation request only an explicit heartbeat extends the lease.
-                if explicit or not self.ctx.is_cancellation_requested():
-                    self._renew()
-                if explicit:
-                    self._explicit_done.set()
-        finally:
-            self._explicit_done.set()
-            connection.close()
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                renewing = [held for held in self._held.values() if not held.ctx.is_cancellation_requested()]
+                # Once one claim is due, every claim due within half its interval joins the batch.
+                if any(held.due <= now for held in renewing):
+                    batch = [held for held in renewing if held.explicit or held.due - held.interval_s / 2 <= now]
+                else:
+                    batch = []
+                batch += [held for held in self._held.values() if held.explicit and held not in batch]
+                for held in batch:
+                    held.done.clear()
+                    held.explicit = False
+                waiting = [held.due for held in renewing]
+                self._sleeping_until = 0.0 if batch else min(waiting, default=now + self._idle_nap_s)
+            if batch:
+                self._renew(batch)
+                continue
+            if not waiting:
+                # Nothing to renew: hold no connection meanwhile.
+                connection.close()
+            self._wake.wait(max(0.0, self._sleeping_until - time.monotonic()))
+            self._wake.clear()
 
-    def _renew(self) -> None:
+    def _renew(self, batch: list[Held]) -> None:
+        by_project: dict[uuid.UUID, list[Held]] = {}
+        for held in batch:
+            by_project.setdefault(held.project_id, []).append(held)
         try:
-            claim = claim_renew(project_id=self.project_id, claim_id=self.ctx.claim_id, lease_ttl_ms=self.renew_ttl_ms)
-        except exceptions.LeaseLost:
-            self.held = False
-            self.ctx._lose(exceptions.LeaseLost.code, cancelled=False)
-        except exceptions.NotFound:
-            self.held = False
-            self.ctx._lose(exceptions.NotFound.code, cancelled=False)
-        except exceptions.CoordinationError as refusal:
-            # The run went inactive (cancelled, completed, past its deadline): a cancellation.
-            self.held = False
-            self.ctx._lose(refusal.code, cancelled=True)
-        except Exception:  # noqa: BLE001 - a database hiccup: the next beat tries again, the lease outlives two misses
-            logger.warning("heartbeat of %s failed; retrying", self.ctx.claim_id, exc_info=True)
+            for project_id, items in by_project.items():
+                for start in range(0, len(items), MAX_BATCH):
+                    self._renew_chunk(project_id, items[start : start + MAX_BATCH])
+        except Exception:  # noqa: BLE001 - a database hiccup: the next tick tries again, the lease outlives two misses
+            logger.warning("renewing %d claims failed; retrying", len(batch), exc_info=True)
             connection.close()
-        else:
-            if claim.task.state == TaskState.CANCELLATION_REQUESTED and not self.ctx.is_cancellation_requested():
-                self.ctx._request_cancellation()
+            failed_at = time.monotonic()
+            for held in batch:
+                held.due = failed_at + held.interval_s
+        finally:
+            for held in batch:
+                held.done.set()
+
+    def _renew_chunk(self, project_id: uuid.UUID, items: list[Held]) -> None:
+        started = time.monotonic()
+        answers = claims_renew_many(
+            project_id=project_id, items=[(held.ctx.claim_id, held.renew_ttl_ms) for held in items]
+        )
+        for held, answer in zip(items, answers, strict=True):
+            if isinstance(answer, Claim):
+                held.due = started + held.interval_s
+                if answer.task.state == TaskState.CANCELLATION_REQUESTED and not held.ctx.is_cancellation_requested():
+                    held.ctx._request_cancellation()
+                continue
+            with self._lock:
+                if self._held.get(held.ctx.claim_id) is held:
+                    del self._held[held.ctx.claim_id]
+            if isinstance(answer, exceptions.LeaseLost | exceptions.NotFound):
+                held.ctx._lose(answer.code, cancelled=False)
+            else:
+                # The run went inactive (cancelled, completed, past its deadline): a cancellation.
+                held.ctx._lose(answer.code, cancelled=True)
+
+
+_renewer: Renewer | None = None
+_renewer_pid: int | None = None
+_renewer_lock = threading.Lock()
+
+
+def renewer() -> Renewer:
+    """Return this process's renewer (a forked child gets a fresh one: threads do not cross a fork)."""
+    global _renewer, _renewer_pid
+    pid = os.getpid()
+    if _renewer is None or _renewer_pid != pid:
+        with _renewer_lock:
+            if _renewer is None or _renewer_pid != pid:
+                _renewer, _renewer_pid = Renewer(), pid
+    return _renewer
 
 
 def _worker_id(request) -> str:
@@ -267,16 +355,20 @@ def _soft_time_limit_error(bound: RunstateTask, request) -> dict[str, Any]:
 def execute(bound: RunstateTask, task_id: str, request=None) -> str:
     """Handle one delivery of ``task_id``; return what happened (for logs): a task state or why nothing was done.
 
-    Celery's Django fixup closes stale database connections around every task.
+    The worker keeps its database connection from task to task (``runstate_project.celery``);
+    a claim or record that meets a connection the server dropped (a PostgreSQL restart) is
+    tried once more on a new one.
     """
     project_id, mailbox_id = bound.ids()
     try:
-        claim = task_claim_by_id(
-            project_id=project_id,
-            task_id=uuid.UUID(str(task_id)),
-            worker_id=_worker_id(request),
-            lease_ttl_ms=bound.lease_ttl_ms,
-            mailbox_id=mailbox_id,
+        claim = _after_disconnect_once_more(
+            lambda: task_claim_by_id(
+                project_id=project_id,
+                task_id=uuid.UUID(str(task_id)),
+                worker_id=_worker_id(request),
+                lease_ttl_ms=bound.lease_ttl_ms,
+                mailbox_id=mailbox_id,
+            )
         )
     except exceptions.NotFound:
         logger.warning("%s: task %s not found in project %s", bound.name, task_id, bound.project_name)
@@ -289,10 +381,9 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
         return "not_claimable"
 
     ctx = TaskContext(claim, mailbox=bound.mailbox_name)
-    lease_ttl_ms = bound.lease_ttl_ms or claim.task.mailbox.lease_ttl_ms
-    heartbeat = Heartbeat(ctx, project_id=project_id, lease_ttl_ms=lease_ttl_ms, renew_ttl_ms=bound.lease_ttl_ms)
-    ctx._heartbeat = heartbeat
-    heartbeat.start()
+    lease_ttl_ms = bound.lease_ttl_ms or claim.lease_ttl_ms or claim.task.mailbox.lease_ttl_ms
+    heartbeat = renewer()
+    ctx._held = heartbeat.hold(ctx, project_id=project_id, lease_ttl_ms=lease_ttl_ms, renew_ttl_ms=bound.lease_ttl_ms)
     outcome: Any = None
     error: dict[str, Any] | None = None
     try:
@@ -306,12 +397,29 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
         error = _handler_error(failure)
     except BaseException:
         # The worker is going away (shutdown, interrupt): hand the task back for another worker.
-        heartbeat.stop()
+        heartbeat.let_go(ctx._held)
         _release(project_id, ctx)
         raise
     finally:
-        heartbeat.stop()
-    return _record(bound, ctx, project_id, outcome, error)
+        heartbeat.let_go(ctx._held)
+    return _after_disconnect_once_more(lambda: _record(bound, ctx, project_id, outcome, error))
+
+
+def _after_disconnect_once_more(call):
+    """Return ``call()``; when it fails on a connection that no longer answers, reconnect and call it again.
+
+    Every call here is fenced, so a second try after a first that did commit changes
+    nothing (a claim then finds the task held, a completion finds it finished). Outside a
+    transaction only, and only when the connection itself is gone: other errors propagate.
+    """
+    try:
+        return call()
+    except (OperationalError, InterfaceError):
+        if connection.in_atomic_block or connection.connection is None or connection.is_usable():
+            raise
+        logger.info("the database connection was lost; reconnecting", exc_info=True)
+        connection.close()
+        return call()
 
 
 def _record(bound: RunstateTask, ctx: TaskContext, project_id: uuid.UUID, outcome: Any, error: dict | None) -> str:

@@ -39,6 +39,8 @@ class Claim:
     task: Task
     attempt: int
     lease_expires_at: datetime
+    # The lease granted, when the claimer knows it without another query (claims by id).
+    lease_ttl_ms: int | None = None
 
     @property
     def claim_id(self) -> str:
@@ -127,6 +129,49 @@ WITH {CHAIN_KEY_SHARE_CTE}, gate AS (
 }
 )
 SELECT {_TASK} FROM done ORDER BY done.priority DESC, done.created_at
+"""
+
+# Claim one task by id (a Celery worker woken for it). The task's run chain is locked FOR KEY
+# SHARE root first, its ids read from the task's run's path in this statement, and the task
+# is updated only when the whole chain is active (a one-time filter evaluated before the
+# task's row is locked, as in CLAIM_SQL). Only a QUEUED task that is available and not past
+# its expiry matches: a duplicate delivery, a task held by another worker (whose lease may
+# have expired: the careful path takes it over), a finished one or an inactive run touch no
+# row and the careful path answers. A concurrent claimer of the same row makes this UPDATE
+# wait and re-check the row, which is then RUNNING: no match.
+CLAIM_BY_ID_SQL = f"""
+WITH target AS MATERIALIZED (
+    -- Found by primary key alone, then updated by its row address (a TID scan): the planner
+    -- never scans a project's queued tasks for it. A row changed meanwhile is re-checked
+    -- in its newest version by the UPDATE's own conditions (state, times).
+    SELECT ctid, id, run_id, project_id, mailbox_id FROM coordination_task WHERE id = %(task_id)s
+), {
+    CHAIN_KEY_SHARE_CTE.replace(
+        "WHERE id = %(run_id)s AND project_id = %(project_id)s",
+        "WHERE id = (SELECT run_id FROM target) AND project_id = %(project_id)s",
+    )
+}, gate AS (
+    SELECT {CHAIN_ACTIVE_SQL} AS open FROM chain
+), done AS (
+    UPDATE coordination_task t
+    SET state = 'RUNNING', attempts = t.attempts + 1,
+        lease_expires_at = %(now)s + coalesce(%(lease_ttl_ms)s, m.lease_ttl_ms) * interval '1 millisecond',
+        worker_id = %(worker_id)s, started_at = coalesce(t.started_at, %(now)s)
+    FROM target, coordination_mailbox m
+    WHERE t.ctid = target.ctid AND t.id = target.id AND m.id = target.mailbox_id
+      AND target.project_id = %(project_id)s  -- a task's project and mailbox never change
+      AND (%(mailbox_id)s::uuid IS NULL OR target.mailbox_id = %(mailbox_id)s::uuid)
+      AND t.state = 'QUEUED' AND t.available_at <= %(now)s AND (t.expires_at IS NULL OR t.expires_at > %(now)s)
+      AND (SELECT open FROM gate)
+    RETURNING t.*
+), events AS (
+    {
+    event_insert_sql(
+        "done", type_sql="'task.claimed'", data_sql="jsonb_build_object('attempt', attempts, 'workerId', worker_id)"
+    )
+}
+)
+SELECT {_TASK} FROM done
 """
 
 RENEW_SQL = f"""
@@ -375,7 +420,6 @@ def takeover_due(task: Task, now: datetime) -> bool:
     )
 
 
-@transaction.atomic
 def task_claim_by_id(
     *,
     project_id: uuid.UUID,
@@ -390,9 +434,43 @@ def task_claim_by_id(
     message, a task another worker holds, a finished one, one not yet available (retry
     delay) or past its ``expiresAt`` answers None. An expired lease is taken over first, as
     ``task_claim`` does. An inactive run refuses with its own code. ``mailbox_id`` given,
-    a task of another mailbox is ``NOT_FOUND``.
+    a task of another mailbox is ``NOT_FOUND``. On PostgreSQL one statement claims a
+    queued, available task of an active run (``CLAIM_BY_ID_SQL``); every other case is the
+    careful path's.
     """
     validate_lease_ttl_ms(lease_ttl_ms)
+    if fast_paths_enabled():
+        now = timezone.now()
+        rows = sql.fetch_models(
+            Task,
+            CLAIM_BY_ID_SQL,
+            {
+                "project_id": project_id,
+                "task_id": task_id,
+                "mailbox_id": mailbox_id,
+                "now": now,
+                "lease_ttl_ms": lease_ttl_ms,
+                "worker_id": worker_id,
+            },
+        )
+        if rows:
+            task = rows[0][0]
+            granted_ms = round((task.lease_expires_at - now) / timedelta(milliseconds=1))
+            return Claim(task, task.attempts, task.lease_expires_at, granted_ms)
+    return _task_claim_by_id_careful(
+        project_id=project_id, task_id=task_id, worker_id=worker_id, lease_ttl_ms=lease_ttl_ms, mailbox_id=mailbox_id
+    )
+
+
+@transaction.atomic
+def _task_claim_by_id_careful(
+    *,
+    project_id: uuid.UUID,
+    task_id: uuid.UUID,
+    worker_id: str,
+    lease_ttl_ms: int | None,
+    mailbox_id: uuid.UUID | None,
+) -> Claim | None:
     rows = Task.objects.filter(id=task_id, project_id=project_id)
     if mailbox_id is not None:
         rows = rows.filter(mailbox_id=mailbox_id)
@@ -419,7 +497,7 @@ def task_claim_by_id(
         task.started_at = task.started_at or now
         task.save(update_fields=["state", "attempts", "lease_expires_at", "worker_id", "started_at"])
         events.append(event_for(task, "task.claimed", attempt=task.attempts, workerId=worker_id))
-        claim = Claim(task, task.attempts, task.lease_expires_at)
+        claim = Claim(task, task.attempts, task.lease_expires_at, lease_ttl_ms or task.mailbox.lease_ttl_ms)
     events_record_many(events)
     return claim
 

@@ -86,8 +86,7 @@ def task_submit(
         task = _new_task(project_id, mailbox, run_id, spec, now)
         wake = dispatch.work_accept(task, mailbox)
         if _insert_one(task, mailbox, now):
-            if wake is not None:
-                transaction.on_commit(wake)
+            dispatch.work_wake_on_commit(wake)
             return task, True
     gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).values_list("id", flat=True).first()
     if gated is not None:
@@ -132,20 +131,10 @@ def tasks_submit_many(
     gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).exists()
     if not fast_paths_enabled() or gated:
         answers = []
-        for index, spec in enumerate(items):
-            with _item(label, index):
-                answers.append(
-                    task_submit(
-                        project_id=project_id,
-                        mailbox=mailbox,
-                        run_id=run_id,
-                        input=spec.input,
-                        key=spec.key,
-                        priority=spec.priority,
-                        max_attempts=spec.max_attempts,
-                        expires_at=spec.expires_at,
-                    )
-                )
+        with dispatch.work_wakes_batched():
+            for index, spec in enumerate(items):
+                with _item(label, index):
+                    answers.append(task_submit(project_id=project_id, mailbox=mailbox, run_id=run_id, **vars(spec)))
         return answers
     chain = run_chain_lock_active(run_id, project_id=project_id)
     tasks = [_new_task(project_id, mailbox, run_id, spec, now) for spec in items]
@@ -154,11 +143,10 @@ def tasks_submit_many(
         with _item(label, index):
             wakes.append(dispatch.work_accept(task, mailbox))
     inserted = _insert_many(tasks, mailbox, chain, now)
+    dispatch.work_accepted_on_commit([wake for task, wake in zip(tasks, wakes, strict=True) if task.id in inserted])
     answers = []
-    for index, (task, wake) in enumerate(zip(tasks, wakes, strict=True)):
+    for index, task in enumerate(tasks):
         if task.id in inserted:
-            if wake is not None:
-                transaction.on_commit(wake)
             answers.append((task, True))
             continue
         # Not inserted: its key was taken, by an earlier submit or an earlier item of this batch.

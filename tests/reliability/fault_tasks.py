@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+from coordination.exceptions import CoordinationError
 from tests.reliability.ledger import Ledger
 from workers import runstate_task
 
@@ -29,7 +30,7 @@ def ledger() -> Ledger:
     return _ledger
 
 
-# A lease of 2 s (heartbeat every 0.67 s): a killed worker's tasks come back within ~3 s.
+# A lease of 2 s (renewed every 0.67 s): a killed worker's tasks come back within ~3 s.
 @runstate_task(mailbox="faults-bulk", project=PROJECT, lease_ttl=2, max_attempts=10)
 def bulk(ctx, i: int, seconds: float):
     time.sleep(seconds)
@@ -73,8 +74,27 @@ def _instrument_runtime() -> None:
 
         return wrapper
 
+    renew_many = runtime.claims_renew_many
+
+    def claims_renew_many(*, project_id, items):
+        # The renewer renews every claim of the process in one call: one entry per claim.
+        started = time.monotonic_ns()
+        try:
+            answers = renew_many(project_id=project_id, items=items)
+        except Exception as error:
+            for claim_id, _ in items:
+                failed = type(error).__name__
+                book.record("renew", unknown=True, started_ns=started, claim_id=claim_id, error_type=failed)
+            raise
+        for (claim_id, _), answer in zip(items, answers, strict=True):
+            if isinstance(answer, CoordinationError):
+                book.record("renew", code=answer.code, started_ns=started, claim_id=claim_id)
+            else:
+                book.record("renew", ok=True, started_ns=started, claim_id=claim_id, state=answer.task.state)
+        return answers
+
     runtime.task_claim_by_id = task_claim_by_id
-    runtime.claim_renew = recorded("renew", runtime.claim_renew, ())
+    runtime.claims_renew_many = claims_renew_many
     runtime.claim_complete = recorded("complete", runtime.claim_complete, ("outcome",))
     runtime.claim_fail = recorded("fail", runtime.claim_fail, ("error", "retry"))
     runtime.claim_release = recorded("release", runtime.claim_release, ())

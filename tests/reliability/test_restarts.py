@@ -51,6 +51,7 @@ PROJECT = "celery-live"  # the project of tests.workers.celery_tasks
 BOUND_MAILBOX = "celery-live-bulk"  # bound to tests.workers.celery_tasks.bulk
 PLAIN_MAILBOX = "restart-plain"  # claimed by the client threads
 PROBE_MAILBOX = "restart-probe"  # nobody claims here but the test itself
+WORKER_APP_NAME = "runstate-restart-worker"  # application_name of the Celery worker's sessions
 REQUEST_TIMEOUT_S = 15.0
 DOWN_FOR_S = 3.0
 SETTLE_TIMEOUT_S = 90.0
@@ -166,6 +167,8 @@ def stack(throwaway_postgres, throwaway_redis, tmp_path_factory):  # noqa: F811 
         ],
         "beat": beat_command(log_dir),
     }
+    # The worker's sessions carry a name of their own, so the test can tell them apart.
+    worker_env = {**env, "DATABASE_URL": f"{throwaway_postgres.url()}?application_name={WORKER_APP_NAME}"}
     built = Stack(
         pg=throwaway_postgres,
         redis=throwaway_redis,
@@ -178,7 +181,12 @@ def stack(throwaway_postgres, throwaway_redis, tmp_path_factory):  # noqa: F811 
         for name, command in commands.items():
             with open(log_dir / f"{name}.log", "wb") as log:
                 built.processes[name] = subprocess.Popen(
-                    command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    command,
+                    cwd=ROOT,
+                    env=worker_env if name == "worker" else env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
 
         def ready() -> bool:
@@ -485,6 +493,7 @@ def test_a_postgres_restart_costs_503s_while_down_and_nothing_once_back(stack):
             what="the load to be served again",
         )
         served_after_s = time.monotonic() - restarted_at
+        assert_worker_connections_persist(stack, load)
     finally:
         load.stop()
 
@@ -511,6 +520,29 @@ def test_a_postgres_restart_costs_503s_while_down_and_nothing_once_back(stack):
         ready_after_s=round(ready_after_s, 2),
         load_served_after_s=round(served_after_s, 2),
     )
+
+
+def assert_worker_connections_persist(stack: Stack, load: Load) -> None:
+    """The worker reconnected after the restart and keeps its connections: no new session per task.
+
+    Its threads (4) and the renewer hold at most one session each; the same sessions serve
+    while more bound tasks are done (the renewer may have reconnected once).
+    """
+
+    def sessions() -> set[int]:
+        query = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+        return {pid for (pid,) in stack.sql(query, WORKER_APP_NAME)}
+
+    def bound_succeeded() -> int:
+        return list(stack.states("coordination_task", set(load.bound)).values()).count("SUCCEEDED")
+
+    wait_until(lambda: bool(sessions()), timeout_s=30, what="the worker to reconnect")
+    before, done_before = sessions(), bound_succeeded()
+    wait_until(lambda: bound_succeeded() >= done_before + 10, timeout_s=60, what="10 more bound tasks to be done")
+    after = sessions()
+    assert 1 <= len(after) <= 6, after
+    # A connection per task (Celery's default with Django) would show new sessions here.
+    assert len(after - before) <= 1, f"new sessions while 10 tasks ran: before {before}, after {after}"
 
 
 def assert_long_poll_released(stack: Stack, run_id: str) -> None:

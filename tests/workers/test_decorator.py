@@ -15,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from coordination import exceptions
 from coordination.models import Event, Mailbox, Task
 from coordination.services.claims import claim_fail, task_claim_by_id
+from coordination.services.dispatch import _send_wakes
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_submit
@@ -135,6 +136,24 @@ def test_submit_creates_the_task_and_dispatches_after_commit(run, django_capture
         again = summarize.submit(run, {"title": "Runstate"}, key="k1")
     assert again.id == task.id
     assert not dispatches(callbacks)
+
+
+def test_a_batch_submit_publishes_its_messages_in_one_go_after_commit(run, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks() as callbacks:
+        tasks = summarize.submit_many(run.id, [{"title": f"t{i}"} for i in range(5)])
+    assert [t.state for t in tasks] == ["QUEUED"] * 5
+    # One after-commit callback sends every message, one per task, through one producer (on
+    # SQLite, where each task is inserted on its own, the others collect the wake-ups first).
+    (batch,) = [cb for cb in callbacks if isinstance(cb, functools.partial) and cb.func is _send_wakes]
+    assert not dispatches(callbacks)
+    for callback in callbacks:
+        if callback is not batch:
+            callback()
+    (wakes,) = batch.args
+    assert [wake.args[:2] for wake in wakes] == [(summarize, t.id) for t in tasks]
+    with pytest.raises(exceptions.ValidationFailed):
+        summarize.submit_many(run.id, [{"title": "ok"}, {"title": ""}])
+    assert Task.objects.filter(run=run).count() == 5
 
 
 def test_a_submit_to_an_unbound_mailbox_sends_nothing(run, django_capture_on_commit_callbacks):

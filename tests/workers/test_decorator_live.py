@@ -143,7 +143,9 @@ def started(log: str, word: str = "start") -> dict[str, list[str]]:
 
 def test_200_decorated_tasks_are_completed_exactly_once_by_a_4_process_worker(cluster, run, log):
     cluster.worker(concurrency=4, pool="prefork")
-    tasks = [ct.bulk.submit(run.id, {"i": i, "log": log}) for i in range(200)]
+    # Half one by one, half as one batch (its 100 messages published in one go after commit).
+    tasks = [ct.bulk.submit(run.id, {"i": i, "log": log}) for i in range(100)]
+    tasks += ct.bulk.submit_many(run.id, [{"i": i, "log": log} for i in range(100, 200)])
     # Duplicate deliveries are harmless: the claim decides. Send 40 messages a second time.
     for task in tasks[:40]:
         send_work(ct.bulk, task.id)
