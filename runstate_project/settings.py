@@ -236,6 +236,10 @@ RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAY
 RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "6000/min")
 # Seconds without events after which an event stream sends a keepalive comment.
 RUNSTATE_SSE_HEARTBEAT_S = float(os.environ.get("RUNSTATE_SSE_HEARTBEAT_S", "15"))
+# Recent events an API process keeps for its event streams; a stream that falls further behind is dropped.
+RUNSTATE_SSE_BUFFER = int(os.environ.get("RUNSTATE_SSE_BUFFER", "10000"))
+# Seconds an event stream may stall on a reader that takes nothing before its connection is closed.
+RUNSTATE_SSE_STALL_S = float(os.environ.get("RUNSTATE_SSE_STALL_S", "10"))
 
 # One JSON object per line with the request id (LOG_FORMAT=text for plain lines).
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")
