@@ -171,6 +171,10 @@ class NotificationHub:
                 if not waiters:
                     del by_topic[topic]
 
+    def waiting_on(self, topic: object) -> int:
+        """Return how many waiters of the running loop are subscribed to ``topic``."""
+        return len(self._listener().by_topic.get(str(topic), ()))
+
     async def ready(self, timeout_s: float = 2.0) -> None:
         """Wait until this loop's LISTEN is in place, at most ``timeout_s``.
 

@@ -12,7 +12,7 @@ import json
 import logging
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
@@ -25,6 +25,8 @@ from coordination.notify import ANY_TOPIC, SQLITE_POLL_S, hub
 
 # Events read per database round trip; a full batch is followed by the next one at once.
 BATCH = 500
+# Frames are sent in pieces of about this many bytes: a reader's stall is measured per piece.
+CHUNK_BYTES = 64 * 1024
 # The last frame of a stream dropped for falling behind (no id: the client resumes after its last event).
 DROPPED = "stream.dropped"
 # How long a client waits before reconnecting after the connection drops (the SSE "retry").
@@ -130,7 +132,7 @@ class _Entry:
 
 
 class _Stream:
-    """What the feed knows of one stream: where it is, and whether its reader stalls it."""
+    """What the feed knows of one stream: where it is, and since when it waits for its reader to take a chunk."""
 
     __slots__ = ("position", "served", "stalled_since", "task")
 
@@ -149,8 +151,10 @@ class EventFeed:
     final (see ``selectors.event_list``), so a stream at a position the buffer covers takes
     the rest from the buffer; one further behind (resuming with an old ``Last-Event-ID``,
     or fallen behind) reads from the database on its own until it is covered. A stream
-    whose reader takes nothing for ``stall_s()`` while events wait is dropped: its request
-    is cancelled and the connection closed; the client resumes with ``Last-Event-ID``.
+    whose reader takes nothing of a chunk for ``stall_s()`` is dropped: its request is
+    cancelled and the connection closed. A stream that was served from the buffer and fell
+    out of it (its reader was slow) ends with a ``stream.dropped`` frame. Either way the
+    client resumes with ``Last-Event-ID``, and other streams never wait for it.
     """
 
     def __init__(self) -> None:
@@ -219,14 +223,23 @@ class EventFeed:
         entries, keep = self.entries, feed_buffer()
         entries.extend(_Entry(event) for event in events)
         self.cursor = entries[-1].position
+        # Streams not (yet) stuck on their reader keep what they have yet to take (a burst
+        # read in several batches while they were sending), up to 4 buffers' worth.
+        stuck_since = asyncio.get_running_loop().time() - stall_s()
+        floor = min(
+            (s.position for s in self.streams if s.stalled_since is None or s.stalled_since > stuck_since),
+            default=None,
+        )
         while len(entries) > keep:
+            if floor is not None and floor < entries[0].position and len(entries) <= 4 * keep:
+                break
             self.start = entries.popleft().position
 
     def _drop_stalled(self, now: float) -> None:
         limit = stall_s()
         for stream in list(self.streams):
             stalled = stream.stalled_since
-            if stalled is not None and now - stalled >= limit and stream.position < self.cursor:
+            if stalled is not None and now - stalled >= limit:
                 logger.info("dropping an event stream whose reader took nothing for %.1f s", now - stalled)
                 self.streams.discard(stream)
                 self.dropped += 1
@@ -242,6 +255,20 @@ class EventFeed:
         except TimeoutError:
             return self.cursor > position
         return True
+
+
+def pieces(frames: list[bytes], size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Join ``frames`` into pieces of about ``size`` bytes (whole frames): one send each."""
+    piece: list[bytes] = []
+    length = 0
+    for frame_bytes in frames:
+        piece.append(frame_bytes)
+        length += len(frame_bytes)
+        if length >= size:
+            yield b"".join(piece)
+            piece, length = [], 0
+    if piece:
+        yield b"".join(piece)
 
 
 _feeds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventFeed] = weakref.WeakKeyDictionary()
@@ -313,9 +340,10 @@ async def feed_frames(
                 if not behind:
                     stream.position = max(stream.position, read_past)
             if chunk:
-                stream.stalled_since = loop.time()
-                yield b"".join(chunk)
-                stream.stalled_since = None
+                for piece in pieces(chunk):
+                    stream.stalled_since = loop.time()
+                    yield piece
+                    stream.stalled_since = None
                 quiet_since = loop.time()
                 continue
             if behind:
