@@ -2,15 +2,21 @@
 
 Prints p50/p99 verdict latency (service layer and HTTP), checks there is exactly one
 finalize, the time from the deciding verdict's return until a cursor reader sees
-``group.finalized``, and the p99 release latency of 1,000 concurrent ``GET /groups/{id}/wait``
-after the decision (target: under 100 ms). Run: ``.venv/bin/python -m bench.groups``.
+``group.finalized``, and the release latency of 1,000 concurrent ``GET /groups/{id}/wait`` and
+of 1,000 concurrent ``GET /barriers/{id}/wait`` through two API processes (p50/p99 from the
+deciding commit to each answer; target p99 under 100 ms). ``--json PATH`` writes
+``group_wait_p99_ms`` and ``barrier_wait_p99_ms``. Run: ``.venv/bin/python -m bench.groups``.
 """
 
 import argparse
 import asyncio
+import json
+import os
+import re
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from bench.throughput import UvicornServer, percentile, setup_django
 
@@ -122,33 +128,78 @@ def http_verdicts(server: UvicornServer, key: str, members: int, threshold: int)
     )
 
 
-async def _waiters(url: str, token: str, group_id, count: int, decide) -> tuple[list[float], list[int], float]:
-    import httpx
+async def _get_once(host: str, port: int, path: str, token: str) -> tuple[int, bytes, float]:
+    """One HTTP/1.1 GET on its own connection; return (status, body, perf_counter when it was read).
 
-    limits = httpx.Limits(max_connections=count + 10, max_keepalive_connections=count + 10)
-    async with httpx.AsyncClient(
-        base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=60
-    ) as client:
-        done_at: list[float] = []
-        statuses: list[int] = []
+    A bare asyncio client: 1,000 answers arriving together must be timed when they arrive,
+    not after a heavier client library has parsed the ones before them.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        headers = f"Host: {host}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n"
+        writer.write(f"GET {path} HTTP/1.1\r\n{headers}\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        if length is not None:
+            body = await reader.readexactly(int(length.group(1)))
+        else:  # chunked, and the server closes the connection after it
+            raw, body = await reader.read(), b""
+            while raw:
+                size_line, _, raw = raw.partition(b"\r\n")
+                size = int(size_line, 16)
+                if size == 0:
+                    break
+                body, raw = body + raw[:size], raw[size + 2 :]
+        return int(head.split(b" ", 2)[1]), body, time.perf_counter()
+    finally:
+        writer.close()
 
-        async def wait_one():
-            try:
-                response = await client.get(f"/v1/groups/{group_id}/wait?timeoutMs=30000")
-                statuses.append(response.status_code)
-                if response.status_code == 200 and response.json()["state"] == "FINALIZED":
-                    done_at.append(time.perf_counter())
-            except httpx.HTTPError:
-                statuses.append(0)
 
-        tasks = [asyncio.create_task(wait_one()) for _ in range(count)]
-        await asyncio.sleep(5)  # let every waiter connect and park
-        decided_at = await asyncio.get_running_loop().run_in_executor(None, decide)
-        await asyncio.gather(*tasks)
-        return [t - decided_at for t in done_at], statuses, decided_at
+async def _waiters(
+    urls: list[str], token: str, path: str, count: int, decided, decide
+) -> tuple[list[float], list[int]]:
+    """Park ``count`` GETs of ``path`` over ``urls`` (round robin), then ``decide()``; return
+    each decided answer's delay after the deciding commit (s) and every status.
+    """
+    addresses = [re.match(r"http://([^:/]+):(\d+)", url).groups() for url in urls]
+    done_at: list[float] = []
+    statuses: list[int] = []
+
+    async def wait_one(index: int):
+        host, port = addresses[index % len(addresses)]
+        try:
+            status, body, at = await _get_once(host, int(port), path, token)
+        except (OSError, asyncio.IncompleteReadError, AttributeError):
+            statuses.append(0)
+            return
+        statuses.append(status)
+        if status == 200 and decided(json.loads(body)):
+            done_at.append(at)
+
+    tasks = [asyncio.create_task(wait_one(i)) for i in range(count)]
+    await asyncio.sleep(5 + count / 200)  # let every waiter connect and park
+    early = sum(task.done() for task in tasks)
+    if early:
+        print(f"  {early} waits were answered before the decision")
+    decided_at = await asyncio.get_running_loop().run_in_executor(None, decide)
+    await asyncio.gather(*tasks)
+    return [t - decided_at for t in done_at], statuses
 
 
-def http_waiters(server: UvicornServer, key: dict, count: int) -> None:
+def _report(what: str, count: int, release: list[float], statuses: list[int]) -> float:
+    errors = {s: statuses.count(s) for s in set(statuses) if s != 200}
+    p99 = percentile(release, 0.99) * 1000
+    print(
+        f"HTTP: {count} concurrent {what} over two API processes: {len(release)} released by the decision, "
+        f"other answers {errors or 'none'}; release latency after the commit "
+        f"p50 {percentile(release, 0.5) * 1000:.0f} ms, p99 {p99:.0f} ms, "
+        f"max {max(release, default=0) * 1000:.0f} ms (target p99 < 100 ms)"
+    )
+    return p99
+
+
+def http_waiters(servers: list[UvicornServer], key: dict, count: int) -> float:
+    """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 (ms)."""
     from django.db import connection
 
     from coordination.services.groups import group_verdict
@@ -163,14 +214,57 @@ def http_waiters(server: UvicornServer, key: dict, count: int) -> None:
         finally:
             connection.close()
 
-    release, statuses, _ = asyncio.run(_waiters(server.url, key[project.id], group.id, count, decide))
-    errors = {s: statuses.count(s) for s in set(statuses) if s != 200}
-    print(
-        f"HTTP: {count} concurrent group waits: {len(release)} released by the decision, "
-        f"other answers {errors or 'none'}; release latency after the commit "
-        f"p50 {percentile(release, 0.5) * 1000:.0f} ms, p99 {percentile(release, 0.99) * 1000:.0f} ms, "
-        f"max {max(release, default=0) * 1000:.0f} ms (target p99 < 100 ms)"
+    release, statuses = asyncio.run(
+        _waiters(
+            [s.url for s in servers],
+            key[project.id],
+            f"/v1/groups/{group.id}/wait?timeoutMs=30000",
+            count,
+            lambda body: body["state"] == "FINALIZED",
+            decide,
+        )
     )
+    return _report("group waits", count, release, statuses)
+
+
+def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int) -> float:
+    """1,000 ``GET /v1/barriers/{id}/wait`` over the servers, released by the one arrival; return p99 (ms)."""
+    from django.db import connection
+
+    from coordination.services.barriers import barrier_arrive, barrier_create
+    from coordination.services.keys import project_ensure
+    from coordination.services.runs import run_create
+
+    project = project_ensure(name=f"bench-barriers-{uuid.uuid4().hex[:8]}")
+    run = run_create(project_id=project.id)
+    barrier = barrier_create(project_id=project.id, run_id=run.id, target=1)
+
+    def decide() -> float:
+        try:
+            barrier_arrive(project_id=project.id, barrier_id=barrier.id, key="the-one")
+            return time.perf_counter()
+        finally:
+            connection.close()
+
+    release, statuses = asyncio.run(
+        _waiters(
+            [s.url for s in servers],
+            key[project.id],
+            f"/v1/barriers/{barrier.id}/wait?timeoutMs=30000",
+            count,
+            lambda body: body["state"] == "RELEASED",
+            decide,
+        )
+    )
+    return _report("barrier waits", count, release, statuses)
+
+
+def waiter_servers() -> list[UvicornServer]:
+    """Two API processes on two ports (each its own LISTEN connection and pool of 10)."""
+    os.environ.setdefault("RUNSTATE_DB_POOL_SIZE", "10")
+    servers = [UvicornServer(), UvicornServer()]
+    servers[1].log_path = servers[1].log_path.with_name("bench-uvicorn-2.log")
+    return servers
 
 
 class KeyRing(dict):
@@ -188,13 +282,21 @@ def main() -> None:
     parser.add_argument("--verdicts", type=int, default=100)
     parser.add_argument("--threshold", type=int, default=50)
     parser.add_argument("--waiters", type=int, default=1000)
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = parser.parse_args()
     setup_django()
+    figures: dict = {}
     service_verdicts(args.verdicts, args.threshold)
     keys = KeyRing()
     with UvicornServer() as server:
         http_verdicts(server, keys, args.verdicts, args.threshold)
-        http_waiters(server, keys, args.waiters)
+    first, second = waiter_servers()
+    with first, second:
+        figures["group_wait_p99_ms"] = round(http_waiters([first, second], keys, args.waiters), 1)
+        figures["barrier_wait_p99_ms"] = round(http_barrier_waiters([first, second], keys, args.waiters), 1)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"figures written to {args.json}")
 
 
 if __name__ == "__main__":
