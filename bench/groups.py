@@ -13,12 +13,16 @@ import asyncio
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from bench.throughput import UvicornServer, percentile, setup_django
+
+PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 
 
 def make_group(members: int, threshold: int):
@@ -155,13 +159,34 @@ async def _get_once(host: str, port: int, path: str, token: str) -> tuple[int, b
         writer.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """Return the CPU time a process has used (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(pids: list[int], timeout_s: float = 20.0) -> None:
+    """Return once the processes used under 50 ms of CPU each in a second, twice in a row (at most ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    before = [cpu_seconds(pid) for pid in pids]
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+        after = [cpu_seconds(pid) for pid in pids]
+        quiet = quiet + 1 if all(b - a < 0.05 for a, b in zip(before, after, strict=True)) else 0
+        before = after
+
+
 async def _waiters(
-    urls: list[str], token: str, path: str, count: int, decided, decide
+    servers: list[UvicornServer], token: str, path: str, count: int, decided, decide, profile_to=None
 ) -> tuple[list[float], list[int]]:
-    """Park ``count`` GETs of ``path`` over ``urls`` (round robin), then ``decide()``; return
-    each decided answer's delay after the deciding commit (s) and every status.
+    """Park ``count`` GETs of ``path`` over ``servers`` (round robin), then ``decide()``; return
+    each decided answer's delay after the deciding commit (s) and every status. With
+    ``profile_to`` (a path per server), py-spy records each server from just before the
+    decision for 6 s (``--nonblocking``: it never pauses them).
     """
-    addresses = [re.match(r"http://([^:/]+):(\d+)", url).groups() for url in urls]
+    addresses = [("127.0.0.1", server.port) for server in servers]
+    pids = [server.process.pid for server in servers]
     done_at: list[float] = []
     statuses: list[int] = []
 
@@ -177,12 +202,26 @@ async def _waiters(
             done_at.append(at)
 
     tasks = [asyncio.create_task(wait_one(i)) for i in range(count)]
-    await asyncio.sleep(5 + count / 200)  # let every waiter connect and park
+    # Let every waiter connect and park: the servers go idle once each has read once.
+    await asyncio.sleep(2)
+    await asyncio.get_running_loop().run_in_executor(None, wait_idle, pids)
+    profilers = [
+        subprocess.Popen(
+            [PY_SPY, "record", "--nonblocking", "-r", "250", "-f", "raw", "-d", "6", "-p", str(pid), "-o", out],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for pid, out in zip(pids, profile_to or [], strict=False)
+    ]
+    if profilers:
+        await asyncio.sleep(1)
     early = sum(task.done() for task in tasks)
     if early:
         print(f"  {early} waits were answered before the decision")
     decided_at = await asyncio.get_running_loop().run_in_executor(None, decide)
     await asyncio.gather(*tasks)
+    for profiler in profilers:
+        await asyncio.get_running_loop().run_in_executor(None, profiler.wait)
     return [t - decided_at for t in done_at], statuses
 
 
@@ -198,7 +237,7 @@ def _report(what: str, count: int, release: list[float], statuses: list[int]) ->
     return p99
 
 
-def http_waiters(servers: list[UvicornServer], key: dict, count: int) -> float:
+def http_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
     """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 (ms)."""
     from django.db import connection
 
@@ -216,18 +255,19 @@ def http_waiters(servers: list[UvicornServer], key: dict, count: int) -> float:
 
     release, statuses = asyncio.run(
         _waiters(
-            [s.url for s in servers],
+            servers,
             key[project.id],
             f"/v1/groups/{group.id}/wait?timeoutMs=30000",
             count,
             lambda body: body["state"] == "FINALIZED",
             decide,
+            [f"{profile}-group-{i}.raw" for i in range(len(servers))] if profile else None,
         )
     )
     return _report("group waits", count, release, statuses)
 
 
-def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int) -> float:
+def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
     """1,000 ``GET /v1/barriers/{id}/wait`` over the servers, released by the one arrival; return p99 (ms)."""
     from django.db import connection
 
@@ -248,12 +288,13 @@ def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int) ->
 
     release, statuses = asyncio.run(
         _waiters(
-            [s.url for s in servers],
+            servers,
             key[project.id],
             f"/v1/barriers/{barrier.id}/wait?timeoutMs=30000",
             count,
             lambda body: body["state"] == "RELEASED",
             decide,
+            [f"{profile}-barrier-{i}.raw" for i in range(len(servers))] if profile else None,
         )
     )
     return _report("barrier waits", count, release, statuses)
@@ -283,17 +324,21 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, default=50)
     parser.add_argument("--waiters", type=int, default=1000)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    parser.add_argument("--no-verdicts", action="store_true", help="measure the waiters only")
+    parser.add_argument("--profile", metavar="PREFIX", help="py-spy the servers around each release (PREFIX-*.raw)")
     args = parser.parse_args()
     setup_django()
     figures: dict = {}
-    service_verdicts(args.verdicts, args.threshold)
     keys = KeyRing()
-    with UvicornServer() as server:
-        http_verdicts(server, keys, args.verdicts, args.threshold)
+    if not args.no_verdicts:
+        service_verdicts(args.verdicts, args.threshold)
+        with UvicornServer() as server:
+            http_verdicts(server, keys, args.verdicts, args.threshold)
     first, second = waiter_servers()
     with first, second:
-        figures["group_wait_p99_ms"] = round(http_waiters([first, second], keys, args.waiters), 1)
-        figures["barrier_wait_p99_ms"] = round(http_barrier_waiters([first, second], keys, args.waiters), 1)
+        servers = [first, second]
+        figures["group_wait_p99_ms"] = round(http_waiters(servers, keys, args.waiters, args.profile), 1)
+        figures["barrier_wait_p99_ms"] = round(http_barrier_waiters(servers, keys, args.waiters, args.profile), 1)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
         print(f"figures written to {args.json}")
