@@ -237,40 +237,42 @@ def _report(what: str, count: int, release: list[float], statuses: list[int]) ->
     return p99
 
 
-def http_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
-    """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 (ms)."""
+def _release(servers, token: str, what: str, path: str, count: int, decided, change, profile) -> float:
+    """Park ``count`` waits of ``path``, release them with ``change()`` (committed on return); return p99 (ms)."""
     from django.db import connection
-
-    from coordination.services.groups import group_verdict
-    from coordination.states import Verdict
-
-    project, group, tasks = make_group(1, 1)
 
     def decide() -> float:
         try:
-            group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict=Verdict.ACCEPTED)
+            change()
             return time.perf_counter()
         finally:
             connection.close()
 
-    release, statuses = asyncio.run(
-        _waiters(
-            servers,
-            key[project.id],
-            f"/v1/groups/{group.id}/wait?timeoutMs=30000",
-            count,
-            lambda body: body["state"] == "FINALIZED",
-            decide,
-            [f"{profile}-group-{i}.raw" for i in range(len(servers))] if profile else None,
-        )
+    profile_to = [f"{profile}-{what}-{i}.raw" for i in range(len(servers))] if profile else None
+    release, statuses = asyncio.run(_waiters(servers, token, path, count, decided, decide, profile_to))
+    return _report(f"{what} waits", count, release, statuses)
+
+
+def http_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
+    """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 (ms)."""
+    from coordination.services.groups import group_verdict
+    from coordination.states import Verdict
+
+    project, group, tasks = make_group(1, 1)
+    return _release(
+        servers,
+        key[project.id],
+        "group",
+        f"/v1/groups/{group.id}/wait?timeoutMs=30000",
+        count,
+        lambda body: body["state"] == "FINALIZED",
+        lambda: group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict=Verdict.ACCEPTED),
+        profile,
     )
-    return _report("group waits", count, release, statuses)
 
 
 def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
     """1,000 ``GET /v1/barriers/{id}/wait`` over the servers, released by the one arrival; return p99 (ms)."""
-    from django.db import connection
-
     from coordination.services.barriers import barrier_arrive, barrier_create
     from coordination.services.keys import project_ensure
     from coordination.services.runs import run_create
@@ -278,26 +280,16 @@ def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int, pr
     project = project_ensure(name=f"bench-barriers-{uuid.uuid4().hex[:8]}")
     run = run_create(project_id=project.id)
     barrier = barrier_create(project_id=project.id, run_id=run.id, target=1)
-
-    def decide() -> float:
-        try:
-            barrier_arrive(project_id=project.id, barrier_id=barrier.id, key="the-one")
-            return time.perf_counter()
-        finally:
-            connection.close()
-
-    release, statuses = asyncio.run(
-        _waiters(
-            servers,
-            key[project.id],
-            f"/v1/barriers/{barrier.id}/wait?timeoutMs=30000",
-            count,
-            lambda body: body["state"] == "RELEASED",
-            decide,
-            [f"{profile}-barrier-{i}.raw" for i in range(len(servers))] if profile else None,
-        )
+    return _release(
+        servers,
+        key[project.id],
+        "barrier",
+        f"/v1/barriers/{barrier.id}/wait?timeoutMs=30000",
+        count,
+        lambda body: body["state"] == "RELEASED",
+        lambda: barrier_arrive(project_id=project.id, barrier_id=barrier.id, key="the-one"),
+        profile,
     )
-    return _report("barrier waits", count, release, statuses)
 
 
 def waiter_servers() -> list[UvicornServer]:

@@ -32,7 +32,7 @@ from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.states import Permission
-from tests.operator.live import Reader, parse_frame, uvicorn_server
+from tests.operator.live import Reader, asgi_http_scope, parse_frame, uvicorn_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -152,20 +152,7 @@ def asgi_request(path: str, query: str, key: str):
     async def send(message):
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": query.encode(),
-        "root_path": "",
-        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"host", b"testserver")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("testserver", 80),
-    }
+    scope = asgi_http_scope(path, query, [(b"authorization", f"Bearer {key}".encode())])
     return asyncio.create_task(application(scope, receive, send)), disconnect, sent
 
 
