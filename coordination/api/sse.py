@@ -10,6 +10,7 @@ only become readable once that one ends), and on SQLite, which has no NOTIFY, it
 import asyncio
 import json
 import logging
+import uuid
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -144,7 +145,7 @@ class _Stream:
 
 
 class EventFeed:
-    """The events of every project, read once per batch of notifications for every stream of a process.
+    """The events of the projects streamed, read once per batch of notifications for every stream of a process.
 
     It keeps the last ``feed_buffer()`` events: every event after ``start`` up to ``cursor``
     (both positions), in order. Events at or before a position the feed has read past are
@@ -157,7 +158,10 @@ class EventFeed:
     client resumes with ``Last-Event-ID``, and other streams never wait for it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, project_id: uuid.UUID) -> None:
+        self.first_project = project_id
+        # The projects read, each from the position the feed had when its first stream came.
+        self.projects: dict[uuid.UUID, Position] = {project_id: (0, 0)}
         self.entries: deque[_Entry] = deque()
         self.start: Position = (0, 0)
         self.cursor: Position = (0, 0)
@@ -170,9 +174,14 @@ class EventFeed:
         self.subscription = hub.subscribe([ANY_TOPIC])
         self.task = loop.create_task(self._run(), name="runstate-event-feed")
 
-    def covers(self, position: Position) -> bool:
-        """Tell whether every event after ``position`` is in the buffer (once started)."""
-        return self.started.is_set() and position >= self.start
+    def covers(self, position: Position, project_id: uuid.UUID) -> bool:
+        """Tell whether every event of the project after ``position`` is in the buffer (once started)."""
+        return self.started.is_set() and position >= self.start and position >= self.projects[project_id]
+
+    def add_project(self, project_id: uuid.UUID) -> None:
+        """Read the project's events too, from the feed's position on."""
+        if project_id not in self.projects:
+            self.projects[project_id] = self.cursor if self.started.is_set() else (0, 0)
 
     def since(self, position: Position) -> list[_Entry]:
         """Return the buffered entries after ``position`` (which the buffer covers)."""
@@ -195,7 +204,7 @@ class EventFeed:
         limit, pause = BATCH, RECHECK_S if hub.enabled() else SQLITE_POLL_S
         while not self.started.is_set():
             try:
-                self.cursor = self.start = await shared_db(selectors.event_feed_head)
+                self.cursor = self.start = await shared_db(selectors.event_feed_head, self.first_project)
                 self.started.set()
             except Exception:  # noqa: BLE001 - the database is away: try again
                 logger.warning("the event feed could not read the head; retrying", exc_info=True)
@@ -207,7 +216,7 @@ class EventFeed:
                 await asyncio.sleep(pause)
             try:
                 while True:
-                    events = await shared_db(selectors.event_feed, self.cursor, limit)
+                    events = await shared_db(selectors.event_feed, self.cursor, limit, list(self.projects))
                     self.reads += 1
                     if events:
                         self._append(events)
@@ -279,11 +288,12 @@ def event_feed() -> EventFeed | None:
     return _feeds.get(asyncio.get_running_loop())
 
 
-def _feed_join(stream: _Stream) -> EventFeed:
+def _feed_join(stream: _Stream, project_id: uuid.UUID) -> EventFeed:
     loop = asyncio.get_running_loop()
     feed = _feeds.get(loop)
     if feed is None:
-        feed = _feeds[loop] = EventFeed()
+        feed = _feeds[loop] = EventFeed(project_id)
+    feed.add_project(project_id)
     feed.streams.add(stream)
     return feed
 
@@ -298,6 +308,7 @@ def _feed_leave(feed: EventFeed, stream: _Stream) -> None:
 
 async def feed_frames(
     *,
+    project_id: uuid.UUID,
     after: str,
     catch_up: ReadAfter,
     matches: Callable[[Event], bool],
@@ -312,7 +323,7 @@ async def feed_frames(
     """
     loop = asyncio.get_running_loop()
     stream = _Stream(selectors.event_position(after))
-    feed = _feed_join(stream)
+    feed = _feed_join(stream, project_id)
     try:
         yield f"retry: {RECONNECT_MS}\n\n".encode()
         await feed.started.wait()
@@ -320,12 +331,12 @@ async def feed_frames(
         quiet_since = loop.time()
         while True:
             position = stream.position
-            if stream.served and not feed.covers(position):
+            if stream.served and not feed.covers(position, project_id):
                 # Fallen out of the buffer while its reader was slow: end the stream plainly.
                 # The client reconnects with Last-Event-ID (the frame has no id) and catches up.
                 yield frame(event_id=None, event_type=DROPPED, data={"reason": "slow_reader"})
                 return
-            if feed.covers(position):
+            if feed.covers(position, project_id):
                 stream.served = True
                 chunk = [entry.frame(present) for entry in feed.since(position) if matches(entry.event)]
                 stream.position = max(position, feed.cursor)

@@ -102,7 +102,9 @@ class EventStreamView(AsyncApiView):
                 and (run_path is None or event.run_path.startswith(run_path))
             )
 
-        return event_stream_response(feed_frames(after=cursor, catch_up=catch_up, matches=matches, present=present))
+        return event_stream_response(
+            feed_frames(project_id=project_id, after=cursor, catch_up=catch_up, matches=matches, present=present)
+        )
 
 
 def present(event):
