@@ -2,22 +2,31 @@
 
 Prints p50/p99 verdict latency (service layer and HTTP), checks there is exactly one
 finalize, the time from the deciding verdict's return until a cursor reader sees
-``group.finalized``, and the p99 release latency of 1,000 concurrent ``GET /groups/{id}/wait``
-after the decision (target: under 100 ms). Run: ``.venv/bin/python -m bench.groups``.
+``group.finalized``, and the release latency of 1,000 concurrent ``GET /groups/{id}/wait`` and
+of 1,000 concurrent ``GET /barriers/{id}/wait`` through two API processes (p50/p99 from the
+deciding commit to each answer; target p99 under 100 ms). Run: ``.venv/bin/python -m bench.groups``.
 
-``--json PATH`` writes the figures: ``verdict_p99_ms_service``, ``verdict_p99_ms_http`` and
+``--json PATH`` writes the figures: ``verdict_p99_ms_service``, ``verdict_p99_ms_http``,
 ``finalized_count`` (``group.finalized`` events per verdict group: 1 is right; see
-``verdict_figures``). ``--no-waiters`` measures the verdicts only.
+``verdict_figures``), ``group_wait_p99_ms`` and ``barrier_wait_p99_ms``. ``--no-waiters``
+measures the verdicts only, ``--no-verdicts`` the waiters only.
 """
 
 import argparse
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from bench.throughput import UvicornServer, percentile, setup_django
+
+PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 
 
 def make_group(members: int, threshold: int):
@@ -130,55 +139,172 @@ def http_verdicts(server: UvicornServer, key: str, members: int, threshold: int)
     return {"verdict_p99_ms_http": percentile(latencies, 0.99) * 1000, "finalized_http": finalized}
 
 
-async def _waiters(url: str, token: str, group_id, count: int, decide) -> tuple[list[float], list[int], float]:
-    import httpx
+async def _get_once(host: str, port: int, path: str, token: str) -> tuple[int, bytes, float]:
+    """One HTTP/1.1 GET on its own connection; return (status, body, perf_counter when it was read).
 
-    limits = httpx.Limits(max_connections=count + 10, max_keepalive_connections=count + 10)
-    async with httpx.AsyncClient(
-        base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits, timeout=60
-    ) as client:
-        done_at: list[float] = []
-        statuses: list[int] = []
+    A bare asyncio client: 1,000 answers arriving together must be timed when they arrive,
+    not after a heavier client library has parsed the ones before them.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        headers = f"Host: {host}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n"
+        writer.write(f"GET {path} HTTP/1.1\r\n{headers}\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        if length is not None:
+            body = await reader.readexactly(int(length.group(1)))
+        else:  # chunked, and the server closes the connection after it
+            raw, body = await reader.read(), b""
+            while raw:
+                size_line, _, raw = raw.partition(b"\r\n")
+                size = int(size_line, 16)
+                if size == 0:
+                    break
+                body, raw = body + raw[:size], raw[size + 2 :]
+        return int(head.split(b" ", 2)[1]), body, time.perf_counter()
+    finally:
+        writer.close()
 
-        async def wait_one():
-            try:
-                response = await client.get(f"/v1/groups/{group_id}/wait?timeoutMs=30000")
-                statuses.append(response.status_code)
-                if response.status_code == 200 and response.json()["state"] == "FINALIZED":
-                    done_at.append(time.perf_counter())
-            except httpx.HTTPError:
-                statuses.append(0)
 
-        tasks = [asyncio.create_task(wait_one()) for _ in range(count)]
-        await asyncio.sleep(5)  # let every waiter connect and park
-        decided_at = await asyncio.get_running_loop().run_in_executor(None, decide)
-        await asyncio.gather(*tasks)
-        return [t - decided_at for t in done_at], statuses, decided_at
+def cpu_seconds(pid: int) -> float:
+    """Return the CPU time a process has used (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def http_waiters(server: UvicornServer, key: dict, count: int) -> None:
+def wait_idle(pids: list[int], timeout_s: float = 20.0) -> None:
+    """Return once the processes used under 50 ms of CPU each in a second, twice in a row (at most ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    before = [cpu_seconds(pid) for pid in pids]
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+        after = [cpu_seconds(pid) for pid in pids]
+        quiet = quiet + 1 if all(b - a < 0.05 for a, b in zip(before, after, strict=True)) else 0
+        before = after
+
+
+async def _waiters(
+    servers: list[UvicornServer], token: str, path: str, count: int, decided, decide, profile_to=None
+) -> tuple[list[float], list[int]]:
+    """Park ``count`` GETs of ``path`` over ``servers`` (round robin), then ``decide()``; return
+    each decided answer's delay after the deciding commit (s) and every status. With
+    ``profile_to`` (a path per server), py-spy records each server from just before the
+    decision for 6 s (``--nonblocking``: it never pauses them).
+    """
+    addresses = [("127.0.0.1", server.port) for server in servers]
+    pids = [server.process.pid for server in servers]
+    done_at: list[float] = []
+    statuses: list[int] = []
+
+    async def wait_one(index: int):
+        host, port = addresses[index % len(addresses)]
+        try:
+            status, body, at = await _get_once(host, int(port), path, token)
+        except (OSError, asyncio.IncompleteReadError, AttributeError):
+            statuses.append(0)
+            return
+        statuses.append(status)
+        if status == 200 and decided(json.loads(body)):
+            done_at.append(at)
+
+    tasks = [asyncio.create_task(wait_one(i)) for i in range(count)]
+    # Let every waiter connect and park: the servers go idle once each has read once.
+    await asyncio.sleep(2)
+    await asyncio.get_running_loop().run_in_executor(None, wait_idle, pids)
+    profilers = [
+        subprocess.Popen(
+            [PY_SPY, "record", "--nonblocking", "-r", "250", "-f", "raw", "-d", "6", "-p", str(pid), "-o", out],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for pid, out in zip(pids, profile_to or [], strict=False)
+    ]
+    if profilers:
+        await asyncio.sleep(1)
+    early = sum(task.done() for task in tasks)
+    if early:
+        print(f"  {early} waits were answered before the decision")
+    decided_at = await asyncio.get_running_loop().run_in_executor(None, decide)
+    await asyncio.gather(*tasks)
+    for profiler in profilers:
+        await asyncio.get_running_loop().run_in_executor(None, profiler.wait)
+    return [t - decided_at for t in done_at], statuses
+
+
+def _report(what: str, count: int, release: list[float], statuses: list[int]) -> float:
+    errors = {s: statuses.count(s) for s in set(statuses) if s != 200}
+    p99 = percentile(release, 0.99) * 1000
+    print(
+        f"HTTP: {count} concurrent {what} over two API processes: {len(release)} released by the decision, "
+        f"other answers {errors or 'none'}; release latency after the commit "
+        f"p50 {percentile(release, 0.5) * 1000:.0f} ms, p99 {p99:.0f} ms, "
+        f"max {max(release, default=0) * 1000:.0f} ms (target p99 < 100 ms)"
+    )
+    return p99
+
+
+def _release(servers, token: str, what: str, path: str, count: int, decided, change, profile) -> float:
+    """Park ``count`` waits of ``path``, release them with ``change()`` (committed on return); return p99 (ms)."""
     from django.db import connection
-
-    from coordination.services.groups import group_verdict
-    from coordination.states import Verdict
-
-    project, group, tasks = make_group(1, 1)
 
     def decide() -> float:
         try:
-            group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict=Verdict.ACCEPTED)
+            change()
             return time.perf_counter()
         finally:
             connection.close()
 
-    release, statuses, _ = asyncio.run(_waiters(server.url, key[project.id], group.id, count, decide))
-    errors = {s: statuses.count(s) for s in set(statuses) if s != 200}
-    print(
-        f"HTTP: {count} concurrent group waits: {len(release)} released by the decision, "
-        f"other answers {errors or 'none'}; release latency after the commit "
-        f"p50 {percentile(release, 0.5) * 1000:.0f} ms, p99 {percentile(release, 0.99) * 1000:.0f} ms, "
-        f"max {max(release, default=0) * 1000:.0f} ms (target p99 < 100 ms)"
+    profile_to = [f"{profile}-{what}-{i}.raw" for i in range(len(servers))] if profile else None
+    release, statuses = asyncio.run(_waiters(servers, token, path, count, decided, decide, profile_to))
+    return _report(f"{what} waits", count, release, statuses)
+
+
+def http_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
+    """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 (ms)."""
+    from coordination.services.groups import group_verdict
+    from coordination.states import Verdict
+
+    project, group, tasks = make_group(1, 1)
+    return _release(
+        servers,
+        key[project.id],
+        "group",
+        f"/v1/groups/{group.id}/wait?timeoutMs=30000",
+        count,
+        lambda body: body["state"] == "FINALIZED",
+        lambda: group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict=Verdict.ACCEPTED),
+        profile,
     )
+
+
+def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
+    """1,000 ``GET /v1/barriers/{id}/wait`` over the servers, released by the one arrival; return p99 (ms)."""
+    from coordination.services.barriers import barrier_arrive, barrier_create
+    from coordination.services.keys import project_ensure
+    from coordination.services.runs import run_create
+
+    project = project_ensure(name=f"bench-barriers-{uuid.uuid4().hex[:8]}")
+    run = run_create(project_id=project.id)
+    barrier = barrier_create(project_id=project.id, run_id=run.id, target=1)
+    return _release(
+        servers,
+        key[project.id],
+        "barrier",
+        f"/v1/barriers/{barrier.id}/wait?timeoutMs=30000",
+        count,
+        lambda body: body["state"] == "RELEASED",
+        lambda: barrier_arrive(project_id=project.id, barrier_id=barrier.id, key="the-one"),
+        profile,
+    )
+
+
+def waiter_servers() -> list[UvicornServer]:
+    """Two API processes on two ports (each its own LISTEN connection and pool of 10)."""
+    os.environ.setdefault("RUNSTATE_DB_POOL_SIZE", "10")
+    servers = [UvicornServer(), UvicornServer()]
+    servers[1].log_path = servers[1].log_path.with_name("bench-uvicorn-2.log")
+    return servers
 
 
 class KeyRing(dict):
@@ -197,18 +323,26 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, default=50)
     parser.add_argument("--waiters", type=int, default=1000)
     parser.add_argument("--no-waiters", action="store_true", help="measure the verdicts only")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--no-verdicts", action="store_true", help="measure the waiters only")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    parser.add_argument("--profile", metavar="PREFIX", help="py-spy the servers around each release (PREFIX-*.raw)")
     args = parser.parse_args()
     setup_django()
-    figures = verdict_figures(service_verdicts(args.verdicts, args.threshold))
+    figures: dict = {}
     keys = KeyRing()
-    with UvicornServer() as server:
-        figures = verdict_figures(figures | http_verdicts(server, keys, args.verdicts, args.threshold))
-        if not args.no_waiters:
-            http_waiters(server, keys, args.waiters)
+    if not args.no_verdicts:
+        figures = verdict_figures(service_verdicts(args.verdicts, args.threshold))
+        with UvicornServer() as server:
+            figures = verdict_figures(figures | http_verdicts(server, keys, args.verdicts, args.threshold))
+    if not args.no_waiters:
+        first, second = waiter_servers()
+        with first, second:
+            servers = [first, second]
+            figures["group_wait_p99_ms"] = round(http_waiters(servers, keys, args.waiters, args.profile), 1)
+            figures["barrier_wait_p99_ms"] = round(http_barrier_waiters(servers, keys, args.waiters, args.profile), 1)
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=2)
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"figures written to {args.json}")
 
 
 def verdict_figures(figures: dict) -> dict:

@@ -17,20 +17,27 @@ an event row:
   ``message.received`` and the like take work away or end it, so they never wake a run's
   claimers: a busy run wakes its idle claimers only when there is something to claim.
 
-Waiters on ``ANY_TOPIC`` (event-log readers, SSE streams) wake on every notification.
+Waiters on ``ANY_TOPIC`` (event-log readers, the SSE feed) wake on every notification.
 
-One thread per process holds a ``LISTEN`` connection and wakes the asyncio waiters
-registered for any topic of a payload. (The same connection listens on
-``process_cache.CHANNEL`` for changed API keys and mailboxes.) Waiters subscribe *before*
-they read the database, so a notification can never fall between their read and their
-wait; after a reconnect every waiter is woken once to re-read, since notifications sent
-while disconnected are lost. On SQLite there is no NOTIFY and waiters poll on a short interval instead.
+Each event loop (one per API process) holds one ``LISTEN`` connection, an asyncio task
+reading psycopg's async ``notifies()``: a notification sets the flags of the waiters
+registered for its topics right there on the loop, with no thread and no hop per waiter.
+Waiters subscribe *before* they read the database, so a notification can never fall
+between their read and their wait; after a reconnect every waiter is woken once to re-read,
+since notifications sent while disconnected are lost. On SQLite there is no NOTIFY and
+waiters poll on a short interval instead.
+
+The same connection listens on ``process_cache.CHANNEL`` for changed API keys and mailboxes;
+the listener that ``start_cache_listener`` picks (the API's loop, or a loop of its own in a
+process without one) feeds ``coordination/process_cache.py``.
 """
 
 import asyncio
+import concurrent.futures
+import itertools
 import logging
 import threading
-import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -43,19 +50,19 @@ logger = logging.getLogger(__name__)
 CHANNEL = "runstate"
 ANY_TOPIC = "*"  # woken by every event (event-log readers)
 SQLITE_POLL_S = 0.05
+_connections_made = itertools.count(1)  # the epoch of each LISTEN connection, for process_cache
 
 
 class Waiter:
-    """One long-poll's wake-up flag, set from the listener thread."""
+    """One wait's wake-up flag, set on its event loop by that loop's listener."""
 
     def __init__(self, topics: frozenset[str]) -> None:
         self.topics = topics
-        self.loop = asyncio.get_running_loop()
         self.event = asyncio.Event()
 
     def wake(self) -> None:
-        """Set the flag from any thread."""
-        self.loop.call_soon_threadsafe(self.event.set)
+        """Set the flag (on the waiter's loop)."""
+        self.event.set()
 
     async def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a wake-up; return whether one came. Clears the flag."""
@@ -68,127 +75,208 @@ class Waiter:
             self.event.clear()
 
 
-class NotificationHub:
-    """A process-wide LISTEN connection fanning notifications out to waiters."""
+class _LoopListener:
+    """The LISTEN connection of one event loop and the waiters registered on that loop."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_topic: dict[str, set[Waiter]] = defaultdict(set)
-        self._listening = threading.Event()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._epoch = 0  # counts the LISTEN connections made, for process_cache
+        self.by_topic: dict[str, set[Waiter]] = defaultdict(set)
+        self.listening = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.conn = None
+        self.epoch: int | None = None  # while connected
+        self.serves_cache = False  # feeds process_cache (start_cache_listener)
+
+    def ensure_task(self) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._listen_forever(), name="runstate-listen")
+
+    def dispatch(self, payload: str) -> None:
+        by_topic = self.by_topic
+        woken: set[Waiter] = set()
+        for topic in (*payload.split(), ANY_TOPIC):
+            waiters = by_topic.get(topic)
+            if waiters:
+                woken.update(waiters)
+        for waiter in woken:
+            waiter.wake()
+
+    def wake_all(self) -> None:
+        for waiter in {w for ws in self.by_topic.values() for w in ws}:
+            waiter.wake()
+
+    async def _listen_forever(self) -> None:
+        import psycopg
+
+        backoff = 0.1
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(**listen_params(), autocommit=True)
+                await conn.execute(f"LISTEN {process_cache.CHANNEL}")
+                await conn.execute(f"LISTEN {CHANNEL}")  # last: pg_stat_activity shows it (tests look)
+            except Exception:  # noqa: BLE001 - keep trying; waiters fall back to rechecks
+                logger.warning("LISTEN connection failed; retrying in %.1fs", backoff, exc_info=True)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            self.conn = conn
+            self.epoch = next(_connections_made)
+            if self.serves_cache:
+                process_cache.on_listening(self.epoch)
+            # Wake first, then announce: a waiter resuming from ready() already has its wake-up.
+            self.wake_all()
+            self.listening.set()
+            try:
+                async for notify in conn.notifies():
+                    if notify.channel == CHANNEL:
+                        self.dispatch(notify.payload)
+                    elif self.serves_cache:
+                        process_cache.on_notification(notify.payload)
+            except Exception:  # noqa: BLE001 - reconnect below
+                logger.warning("LISTEN connection lost; reconnecting", exc_info=True)
+            finally:
+                if self.serves_cache:
+                    process_cache.on_listening(None)
+                self.epoch = None
+                self.listening.clear()
+                self.conn = None
+                try:
+                    await asyncio.shield(conn.close())
+                except BaseException:  # noqa: BLE001, S110 - already broken, or the loop is ending
+                    pass
+
+
+def listen_params() -> dict:
+    """Return psycopg connection keywords for a LISTEN connection to the default database."""
+    params = connections["default"].get_connection_params()
+    for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding", "pool"):
+        params.pop(key, None)
+    return params
+
+
+class NotificationHub:
+    """Per event loop, a LISTEN connection fanning notifications out to that loop's waiters."""
+
+    def __init__(self) -> None:
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopListener] = weakref.WeakKeyDictionary()
+        self._own_loop: asyncio.AbstractEventLoop | None = None  # start_cache_listener's, without a running loop
+        self._own_loop_lock = threading.Lock()
 
     @staticmethod
     def enabled() -> bool:
         """Tell whether the database can notify (PostgreSQL)."""
         return connections["default"].vendor == "postgresql"
 
+    def _listener(self) -> _LoopListener:
+        loop = asyncio.get_running_loop()
+        listener = self._loops.get(loop)
+        if listener is None:
+            for old in [other for other in self._loops if other.is_closed()]:
+                del self._loops[old]  # ended loops (tests): their tasks were cancelled
+            listener = self._loops[loop] = _LoopListener()
+        return listener
+
     def subscribe(self, topics: Iterable[object]) -> Waiter:
-        """Register a waiter for ``topics`` (ids); call ``unsubscribe`` when done."""
+        """Register a waiter for ``topics`` (ids) on the running loop; call ``unsubscribe`` when done."""
         waiter = Waiter(frozenset(str(t) for t in topics))
-        with self._lock:
-            for topic in waiter.topics:
-                self._by_topic[topic].add(waiter)
+        by_topic = self._listener().by_topic
+        for topic in waiter.topics:
+            by_topic[topic].add(waiter)
         return waiter
 
     def unsubscribe(self, waiter: Waiter) -> None:
-        """Forget a waiter."""
-        with self._lock:
-            for topic in waiter.topics:
-                waiters = self._by_topic.get(topic)
-                if waiters is not None:
-                    waiters.discard(waiter)
-                    if not waiters:
-                        del self._by_topic[topic]
+        """Forget a waiter (on the loop it was subscribed on)."""
+        by_topic = self._listener().by_topic
+        for topic in waiter.topics:
+            waiters = by_topic.get(topic)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del by_topic[topic]
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Close the LISTEN connection and end the thread (tests, before dropping the database)."""
-        thread = self._thread
-        if thread is None:
+    def start_cache_listener(self) -> None:
+        """Feed ``process_cache`` from a LISTEN connection: the running loop's, or one on a loop of its own."""
+        if not self.enabled():
             return
-        self._stopping.set()
-        thread.join(timeout_s)
-        self._thread = None
-        self._stopping.clear()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._background_loop().call_soon_threadsafe(self._serve_cache)
+        else:
+            self._serve_cache()
 
-    def start(self) -> None:
-        """Start the LISTEN thread if it is not running (it connects in the background)."""
-        if self.enabled():
-            self._ensure_thread()
+    def _serve_cache(self) -> None:
+        listener = self._listener()
+        listener.serves_cache = True
+        if listener.epoch is not None:
+            process_cache.on_listening(listener.epoch)
+        listener.ensure_task()
 
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._listen_forever, name="runstate-listen", daemon=True)
-                self._thread.start()
+    def _background_loop(self) -> asyncio.AbstractEventLoop:
+        with self._own_loop_lock:
+            if self._own_loop is None or self._own_loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="runstate-listen", daemon=True).start()
+                self._own_loop = loop
+            return self._own_loop
+
+    def waiting_on(self, topic: object) -> int:
+        """Return how many waiters of the running loop are subscribed to ``topic``."""
+        return len(self._listener().by_topic.get(str(topic), ()))
 
     async def ready(self, timeout_s: float = 2.0) -> None:
-        """Wait (without blocking the loop) until LISTEN is in place, at most ``timeout_s``.
+        """Wait until this loop's LISTEN is in place, at most ``timeout_s``.
 
         Until then a notification could be missed; waiters still re-read on their recheck
         interval, so a slow start costs latency, never correctness.
         """
-        if self.enabled() and not self._listening.is_set():
-            self._ensure_thread()
-            await asyncio.get_running_loop().run_in_executor(None, self._listening.wait, timeout_s)
+        if not self.enabled():
+            return
+        listener = self._listener()
+        listener.ensure_task()
+        if not listener.listening.is_set():
+            try:
+                await asyncio.wait_for(listener.listening.wait(), timeout_s)
+            except TimeoutError:
+                pass
 
-    def _dispatch(self, payload: str) -> None:
-        with self._lock:
-            topics = [*payload.split(), ANY_TOPIC]
-            waiters = {w for topic in topics for w in self._by_topic.get(topic, ())}
-        for waiter in waiters:
-            waiter.wake()
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close every loop's LISTEN connection (tests, before dropping the database).
 
-    def _wake_all(self) -> None:
-        with self._lock:
-            waiters = {w for ws in self._by_topic.values() for w in ws}
-        for waiter in waiters:
-            waiter.wake()
+        Call it from outside the loops (a loop that has ended already closed its own).
+        """
+        for loop, listener in list(self._loops.items()):
+            task = listener.task
+            if task is None or task.done():
+                continue
+            if loop.is_running():
+                future = asyncio.run_coroutine_threadsafe(_cancel(task), loop)
+                try:
+                    future.result(timeout_s)
+                except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                    pass
+            elif listener.conn is not None and not loop.is_closed():
+                loop.run_until_complete(_cancel(task))
+            elif listener.conn is not None:
+                listener.conn.pgconn.finish()  # the loop is gone: drop the socket
+        self._loops.clear()
 
-    def _connect(self):
+    @staticmethod
+    def _connect():
+        """Return a blocking autocommit connection listening on the channel (tests)."""
         import psycopg
 
-        params = connections["default"].get_connection_params()
-        for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
-            params.pop(key, None)
-        conn = psycopg.connect(**params, autocommit=True)
-        conn.execute(f"LISTEN {process_cache.CHANNEL}")
-        conn.execute(f"LISTEN {CHANNEL}")  # last: pg_stat_activity shows it (the restart tests look for it)
+        conn = psycopg.connect(**listen_params(), autocommit=True)
+        conn.execute(f"LISTEN {CHANNEL}")
         return conn
 
-    def _listen_forever(self) -> None:
-        backoff = 0.1
-        while not self._stopping.is_set():
-            try:
-                conn = self._connect()
-            except Exception:  # noqa: BLE001 - keep trying; waiters fall back to rechecks
-                logger.warning("LISTEN connection failed; retrying in %.1fs", backoff, exc_info=True)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.1
-            self._epoch += 1
-            process_cache.on_listening(self._epoch)
-            # Wake first, then announce: a waiter resuming from ready() already has its wake-up.
-            self._wake_all()
-            self._listening.set()
-            try:
-                while not self._stopping.is_set():
-                    for notify in conn.notifies(timeout=0.5):
-                        if notify.channel == CHANNEL:
-                            self._dispatch(notify.payload)
-                        else:
-                            process_cache.on_notification(notify.payload)
-            except Exception:  # noqa: BLE001 - reconnect below
-                logger.warning("LISTEN connection lost; reconnecting", exc_info=True)
-            finally:
-                process_cache.on_listening(None)
-                self._listening.clear()
-                try:
-                    conn.close()
-                except Exception:  # noqa: BLE001, S110 - already broken
-                    pass
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001, S110 - it was cancelled
+        pass
 
 
 hub = NotificationHub()

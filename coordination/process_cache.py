@@ -136,7 +136,7 @@ def enable() -> bool:
     _state.ttl_s = float(settings.RUNSTATE_PROCESS_CACHE_S)
     _state.enabled = _state.ttl_s > 0 and hub.enabled()
     if _state.enabled:
-        hub.start()
+        hub.start_cache_listener()
     return _state.enabled
 
 

@@ -283,6 +283,35 @@ def event_head(visibility: Visibility) -> str:
     return event_cursor(last) if last is not None else EVENT_CURSOR_START
 
 
+def event_feed(after: tuple[int, int], limit: int, project_ids: Iterable[uuid.UUID]) -> list[Event]:
+    """Return the events of ``project_ids`` after position ``after`` (``(txid, id)``), oldest first.
+
+    Only those a cursor reader may see now (see ``event_list``): the SSE feed of an API
+    process reads this once per batch of notifications and serves every stream from it.
+    Each project's part is a range of its ``(project_id, txid, id)`` index.
+    """
+    txid, event_id = after
+    queryset = _below_event_horizon(Event.objects.filter(project_id__in=list(project_ids)))
+    queryset = queryset.filter(Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id))
+    return list(queryset.order_by("txid", "id")[:limit])
+
+
+def event_feed_head(project_id: uuid.UUID) -> tuple[int, int]:
+    """Return the position after the last event of the project a reader may see now."""
+    last = (
+        _below_event_horizon(Event.objects.filter(project_id=project_id))
+        .order_by("-txid", "-id")
+        .values_list("txid", "id")
+        .first()
+    )
+    return (last[0], last[1]) if last is not None else (0, 0)
+
+
+def event_position(cursor: str) -> tuple[int, int]:
+    """Return the ``(txid, id)`` position of an event cursor (``VALIDATION_ERROR`` if malformed)."""
+    return _parse_event_cursor(cursor)
+
+
 def event_cursor_parse(cursor: str) -> None:
     """Raise ``VALIDATION_ERROR`` unless ``cursor`` is a well-formed event cursor."""
     _parse_event_cursor(cursor)

@@ -243,6 +243,10 @@ RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "600000/min")
 RUNSTATE_PROCESS_CACHE_S = float(os.environ.get("RUNSTATE_PROCESS_CACHE_S", "5"))
 # Seconds without events after which an event stream sends a keepalive comment.
 RUNSTATE_SSE_HEARTBEAT_S = float(os.environ.get("RUNSTATE_SSE_HEARTBEAT_S", "15"))
+# Recent events an API process keeps for its event streams; a stream that falls further behind is dropped.
+RUNSTATE_SSE_BUFFER = int(os.environ.get("RUNSTATE_SSE_BUFFER", "10000"))
+# Seconds an event stream may stall on a reader that takes nothing before its connection is closed.
+RUNSTATE_SSE_STALL_S = float(os.environ.get("RUNSTATE_SSE_STALL_S", "10"))
 
 # One JSON object per line with the request id (LOG_FORMAT=text for plain lines).
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")

@@ -1,16 +1,34 @@
-"""Long-polls that hold no database connection while they wait."""
+"""Long-polls that hold no database connection while they wait, and share their re-reads.
+
+Every long-poll reads once on the request's own connection, as any request does, then
+closes that connection and waits. Waits on the same object in one process share a
+*watch* (``share=`` names it: the object and everything the read depends on, such as the
+caller's visibility): one subscription to the object's topics and one re-read per wake-up,
+on a small thread pool of its own, whose result (already rendered by ``read``) answers every
+waiter of the object. A thousand waiters on one group cost one read and one rendering per
+wake-up per process, not a thousand. A wait without ``share`` has a watch of its own.
+"""
 
 import asyncio
-from collections.abc import Callable, Iterable
+import logging
+import weakref
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import sync_to_async
 from django.db import connection
 
 from coordination.notify import SQLITE_POLL_S, hub
 
+logger = logging.getLogger(__name__)
+
 # Even with NOTIFY, re-read at least this often: a safety net for time-based changes
 # (retry delays, deadlines) that no event announces.
 RECHECK_S = 1.0
+# Threads for the watches' re-reads: each borrows a pooled connection only for its read.
+READ_THREADS = 8
+
+_read_executor = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="runstate-read")
 
 
 async def in_request[T](fn: Callable[..., T], *args, **kwargs) -> T:
@@ -42,6 +60,113 @@ async def db[T](fn: Callable[..., T], *args, **kwargs) -> T:
     return await sync_to_async(call)()
 
 
+async def shared_db[T](fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run ``fn`` on the watches' own threads (never the default executor, see ``db``), then close the connection."""
+
+    def call() -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            connection.close()
+
+    return await sync_to_async(call, thread_sensitive=False, executor=_read_executor)()
+
+
+class Watch:
+    """The waiters of one object in one process: one subscription, one re-read per wake-up.
+
+    ``read`` None makes a watch of *rounds* (claims): each wake-up only starts a round, and
+    its waiters then act on their own (see ``claim_long_poll``).
+    """
+
+    def __init__(self, key: Hashable, read: Callable | None, topics: Iterable[object], due_in_s) -> None:
+        self.key = key
+        self.read = read
+        self.due_in_s = due_in_s
+        self.subscription = hub.subscribe(topics)
+        self.members = 0
+        self.reads = 0
+        self.value: object = None
+        self.primed = asyncio.Event()  # a first value is known (a waiter's own first read)
+        self.next: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.lock = asyncio.Lock()  # claim rounds: one claimer at a time
+        self.spent_round = -1  # the last round in which a claimer found nothing
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"runstate-watch {key!r}")
+
+    def offer(self, value: object) -> None:
+        """Give the watch a waiter's first value, for ``due_in_s`` (the first one wins)."""
+        if not self.primed.is_set():
+            self.value = value
+            self.primed.set()
+
+    def pause_s(self) -> float:
+        pause = RECHECK_S if hub.enabled() else SQLITE_POLL_S
+        if self.due_in_s is not None:
+            due = self.due_in_s(self.value)
+            if due is not None:
+                pause = min(pause, max(due, 0.0))
+        return pause
+
+    async def _run(self) -> None:
+        await self.primed.wait()
+        await hub.ready()
+        while True:
+            if hub.enabled():
+                woken = await self.subscription.wait(self.pause_s())
+            else:
+                await asyncio.sleep(self.pause_s())
+                woken = False
+            outcome: tuple[object, BaseException | None] = (None, None)
+            if self.read is not None:
+                try:
+                    outcome = (await shared_db(self.read), None)
+                    self.value = outcome[0]
+                except Exception as error:  # noqa: BLE001 - answered to every waiter
+                    outcome = (None, error)
+            self.reads += 1
+            logger.debug("watch %r: read %d (%s)", self.key, self.reads, "notified" if woken else "recheck")
+            future, self.next = self.next, asyncio.get_running_loop().create_future()
+            future.set_result(outcome)
+
+    async def next_read(self, timeout_s: float) -> tuple[bool, object]:
+        """Wait for the next re-read (at most ``timeout_s``); return (whether it came, its value)."""
+        future = self.next
+        try:
+            value, error = await asyncio.wait_for(asyncio.shield(future), max(timeout_s, 0))
+        except TimeoutError:
+            return False, None
+        if error is not None:
+            raise error
+        return True, value
+
+
+_watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, Watch]] = weakref.WeakKeyDictionary()
+
+
+def watches() -> dict[Hashable, Watch]:
+    """Return the running loop's watches, by key (tests look at them)."""
+    return _watches.setdefault(asyncio.get_running_loop(), {})
+
+
+def _join(key: Hashable, read: Callable | None, topics: Iterable[object], due_in_s) -> Watch:
+    by_key = watches()
+    watch = by_key.get(key)
+    if watch is None:
+        watch = by_key[key] = Watch(key, read, topics, due_in_s)
+    watch.members += 1
+    return watch
+
+
+def _leave(watch: Watch) -> None:
+    watch.members -= 1
+    if watch.members == 0:
+        by_key = watches()
+        if by_key.get(watch.key) is watch:
+            del by_key[watch.key]
+        watch.task.cancel()
+        hub.unsubscribe(watch.subscription)
+
+
 async def long_poll[T](
     read: Callable[[], T],
     *,
@@ -49,38 +174,72 @@ async def long_poll[T](
     topics: Iterable[object],
     timeout_ms: int,
     due_in_s: Callable[[T], float | None] | None = None,
+    share: Hashable | None = None,
 ) -> T:
     """Call ``read`` until ``done(value)`` or ``timeout_ms`` passes; return the last value.
 
-    The first read runs like any request. Before waiting, the request's connection is
-    closed and every later read borrows one only for its own duration. The waiter
-    subscribes before the first read, so a commit between a read and the wait still wakes it.
-    ``due_in_s(value)``, when given, says when a time-based change is due (a timer), so the
-    next read happens then rather than at the next recheck.
+    The first read runs like any request, after the wait joined its watch (subscribed), so a
+    commit between that read and the wait still wakes it. Then the request's connection is
+    closed, and the wait takes the watch's re-reads: shared with every wait of the same
+    ``share`` key in the process (``read`` must then depend on nothing else than the key
+    says), or its own without a key. ``due_in_s(value)``, when given, says when a
+    time-based change is due (a timer), so the next re-read happens then rather than at the
+    next recheck.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
-    waiter = hub.subscribe(topics)
+    watch = _join(share if share is not None else object(), read, topics, due_in_s)
     try:
         value = await in_request(read)
         if done(value) or timeout_ms <= 0:
             return value
+        watch.offer(value)
+        logger.debug("watch %r: a waiter parked (%d waiting)", watch.key, watch.members)
         await sync_to_async(_close_connection)()
-        await hub.ready()
         while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            came, new_value = await watch.next_read(deadline - loop.time())
+            if not came:
                 return value
-            pause = min(remaining, RECHECK_S if hub.enabled() else SQLITE_POLL_S)
-            due = due_in_s(value) if due_in_s is not None else None
-            if due is not None:
-                pause = min(pause, max(due, 0.0))
-            if hub.enabled():
-                await waiter.wait(pause)
-            else:
-                await asyncio.sleep(pause)
-            value = await db(read)
+            value = new_value
             if done(value):
                 return value
     finally:
-        hub.unsubscribe(waiter)
+        _leave(watch)
+
+
+async def claim_long_poll[T](
+    claim: Callable[[], list[T]], *, topics: Iterable[object], timeout_ms: int, share: Hashable
+) -> list[T]:
+    """Call ``claim`` until it claims something or ``timeout_ms`` passes; return the last answer.
+
+    Claims cannot share one read: each claimer takes its own tasks. The claimers of one run
+    and mailbox in a process share a watch of rounds instead: after a wake-up they claim one
+    at a time, and the first to find nothing ends the round for the others, who wait for the
+    next one. One submitted task then costs one claim, plus one that finds nothing, not one
+    per waiting claimer. A refusal (the run cancelled) is each claimer's own answer.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_ms / 1000
+    watch = _join(share, None, topics, None)
+    try:
+        claims = await in_request(claim)
+        if claims or timeout_ms <= 0:
+            return claims
+        watch.offer(None)
+        await sync_to_async(_close_connection)()
+        while True:
+            came, _ = await watch.next_read(deadline - loop.time())
+            if not came:
+                return claims
+            async with watch.lock:
+                # Every wake-up counted so far was notified before this claim starts, so an
+                # empty answer covers them all.
+                latest = watch.reads
+                if watch.spent_round >= latest:
+                    continue  # another claimer found nothing since the last wake-up
+                claims = await shared_db(claim)
+                if claims:
+                    return claims
+                watch.spent_round = max(watch.spent_round, latest)
+    finally:
+        _leave(watch)

@@ -9,20 +9,31 @@ only become readable once that one ends), and on SQLite, which has no NOTIFY, it
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+import logging
+import uuid
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.http import StreamingHttpResponse
 
-from coordination.api.longpoll import RECHECK_S, db
+from coordination import selectors
+from coordination.api.longpoll import RECHECK_S, db, shared_db
 from coordination.models import Event
 from coordination.notify import ANY_TOPIC, SQLITE_POLL_S, hub
 
 # Events read per database round trip; a full batch is followed by the next one at once.
 BATCH = 500
+# Frames are sent in pieces of about this many bytes: a reader's stall is measured per piece.
+CHUNK_BYTES = 64 * 1024
+# The last frame of a stream dropped for falling behind (no id: the client resumes after its last event).
+DROPPED = "stream.dropped"
 # How long a client waits before reconnecting after the connection drops (the SSE "retry").
 RECONNECT_MS = 1000
+
+logger = logging.getLogger(__name__)
 
 ReadAfter = Callable[[str], tuple[list[Event], str]]
 
@@ -85,3 +96,275 @@ def event_stream_response(frames: AsyncIterator[bytes]) -> StreamingHttpResponse
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: pass frames on as they come
     return response
+
+
+# The shared feed ---------------------------------------------------------------------------
+
+
+def feed_buffer() -> int:
+    """Return how many recent events the feed keeps for its streams (``RUNSTATE_SSE_BUFFER``)."""
+    return int(getattr(settings, "RUNSTATE_SSE_BUFFER", 10_000))
+
+
+def stall_s() -> float:
+    """Return how long a stream may stall on a reader that takes nothing (``RUNSTATE_SSE_STALL_S``)."""
+    return float(getattr(settings, "RUNSTATE_SSE_STALL_S", 10.0))
+
+
+Position = tuple[int, int]  # an event's (txid, id): the order of the event log
+
+
+class _Entry:
+    """One event in the feed, rendered at most once per presenter."""
+
+    __slots__ = ("event", "position", "rendered")
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+        self.position: Position = (event.txid, event.id)
+        self.rendered: dict[Callable, bytes] = {}
+
+    def frame(self, present: Callable[[Event], tuple[str | None, str, object]]) -> bytes:
+        rendered = self.rendered.get(present)
+        if rendered is None:
+            event_id, event_type, data = present(self.event)
+            rendered = self.rendered[present] = frame(event_id=event_id, event_type=event_type, data=data)
+        return rendered
+
+
+class _Stream:
+    """What the feed knows of one stream: where it is, and since when it waits for its reader to take a chunk."""
+
+    __slots__ = ("position", "served", "stalled_since", "task")
+
+    def __init__(self, position: Position) -> None:
+        self.position = position
+        self.served = False  # once taken from the buffer, it must keep up with it
+        self.stalled_since: float | None = None
+        self.task = asyncio.current_task()
+
+
+class EventFeed:
+    """The events of the projects streamed, read once per batch of notifications for every stream of a process.
+
+    It keeps the last ``feed_buffer()`` events: every event after ``start`` up to ``cursor``
+    (both positions), in order. Events at or before a position the feed has read past are
+    final (see ``selectors.event_list``), so a stream at a position the buffer covers takes
+    the rest from the buffer; one further behind (resuming with an old ``Last-Event-ID``,
+    or fallen behind) reads from the database on its own until it is covered. A stream
+    whose reader takes nothing of a chunk for ``stall_s()`` is dropped: its request is
+    cancelled and the connection closed. A stream that was served from the buffer and fell
+    out of it (its reader was slow) ends with a ``stream.dropped`` frame. Either way the
+    client resumes with ``Last-Event-ID``, and other streams never wait for it.
+    """
+
+    def __init__(self, project_id: uuid.UUID) -> None:
+        self.first_project = project_id
+        # The projects read, each from the position the feed had when its first stream came.
+        self.projects: dict[uuid.UUID, Position] = {project_id: (0, 0)}
+        self.entries: deque[_Entry] = deque()
+        self.start: Position = (0, 0)
+        self.cursor: Position = (0, 0)
+        self.started = asyncio.Event()
+        self.streams: set[_Stream] = set()
+        self.reads = 0
+        self.dropped = 0
+        loop = asyncio.get_running_loop()
+        self.next: asyncio.Future = loop.create_future()
+        self.subscription = hub.subscribe([ANY_TOPIC])
+        self.task = loop.create_task(self._run(), name="runstate-event-feed")
+
+    def covers(self, position: Position, project_id: uuid.UUID) -> bool:
+        """Tell whether every event of the project after ``position`` is in the buffer (once started)."""
+        return self.started.is_set() and position >= self.start and position >= self.projects[project_id]
+
+    def add_project(self, project_id: uuid.UUID) -> None:
+        """Read the project's events too, from the feed's position on."""
+        if project_id not in self.projects:
+            self.projects[project_id] = self.cursor if self.started.is_set() else (0, 0)
+
+    def since(self, position: Position) -> list[_Entry]:
+        """Return the buffered entries after ``position`` (which the buffer covers)."""
+        entries = self.entries
+        if not entries or entries[-1].position <= position:
+            return []
+        # Binary search on the deque's positions (O(log n) index lookups into a deque of blocks).
+        low, high = 0, len(entries)
+        while low < high:
+            middle = (low + high) // 2
+            if entries[middle].position <= position:
+                low = middle + 1
+            else:
+                high = middle
+        return [entries[i] for i in range(low, len(entries))]
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        await hub.ready()
+        limit, pause = BATCH, RECHECK_S if hub.enabled() else SQLITE_POLL_S
+        while not self.started.is_set():
+            try:
+                self.cursor = self.start = await shared_db(selectors.event_feed_head, self.first_project)
+                self.started.set()
+            except Exception:  # noqa: BLE001 - the database is away: try again
+                logger.warning("the event feed could not read the head; retrying", exc_info=True)
+                await asyncio.sleep(pause)
+        while True:
+            if hub.enabled():
+                await self.subscription.wait(pause)
+            else:
+                await asyncio.sleep(pause)
+            try:
+                while True:
+                    events = await shared_db(selectors.event_feed, self.cursor, limit, list(self.projects))
+                    self.reads += 1
+                    if events:
+                        self._append(events)
+                        future, self.next = self.next, loop.create_future()
+                        future.set_result(None)
+                    if len(events) < limit:
+                        break
+            except Exception:  # noqa: BLE001 - the database is away: streams wait, the next wake-up retries
+                logger.warning("the event feed could not read; retrying", exc_info=True)
+            self._drop_stalled(loop.time())
+
+    def _append(self, events: list[Event]) -> None:
+        entries, keep = self.entries, feed_buffer()
+        entries.extend(_Entry(event) for event in events)
+        self.cursor = entries[-1].position
+        # Streams not (yet) stuck on their reader keep what they have yet to take (a burst
+        # read in several batches while they were sending), up to 4 buffers' worth.
+        stuck_since = asyncio.get_running_loop().time() - stall_s()
+        floor = min(
+            (s.position for s in self.streams if s.stalled_since is None or s.stalled_since > stuck_since),
+            default=None,
+        )
+        while len(entries) > keep:
+            if floor is not None and floor < entries[0].position and len(entries) <= 4 * keep:
+                break
+            self.start = entries.popleft().position
+
+    def _drop_stalled(self, now: float) -> None:
+        limit = stall_s()
+        for stream in list(self.streams):
+            stalled = stream.stalled_since
+            if stalled is not None and now - stalled >= limit:
+                logger.info("dropping an event stream whose reader took nothing for %.1f s", now - stalled)
+                self.streams.discard(stream)
+                self.dropped += 1
+                if stream.task is not None:
+                    stream.task.cancel()
+
+    async def wait_past(self, position: Position, timeout_s: float) -> bool:
+        """Wait until the feed has read past ``position``, at most ``timeout_s``; tell whether it has."""
+        if self.cursor > position:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.next), max(timeout_s, 0))
+        except TimeoutError:
+            return self.cursor > position
+        return True
+
+
+def pieces(frames: list[bytes], size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Join ``frames`` into pieces of about ``size`` bytes (whole frames): one send each."""
+    piece: list[bytes] = []
+    length = 0
+    for frame_bytes in frames:
+        piece.append(frame_bytes)
+        length += len(frame_bytes)
+        if length >= size:
+            yield b"".join(piece)
+            piece, length = [], 0
+    if piece:
+        yield b"".join(piece)
+
+
+_feeds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventFeed] = weakref.WeakKeyDictionary()
+
+
+def event_feed() -> EventFeed | None:
+    """Return the running loop's feed, if a stream is open."""
+    return _feeds.get(asyncio.get_running_loop())
+
+
+def _feed_join(stream: _Stream, project_id: uuid.UUID) -> EventFeed:
+    loop = asyncio.get_running_loop()
+    feed = _feeds.get(loop)
+    if feed is None:
+        feed = _feeds[loop] = EventFeed(project_id)
+    feed.add_project(project_id)
+    feed.streams.add(stream)
+    return feed
+
+
+def _feed_leave(feed: EventFeed, stream: _Stream) -> None:
+    feed.streams.discard(stream)
+    if not feed.streams and _feeds.get(asyncio.get_running_loop()) is feed:
+        del _feeds[asyncio.get_running_loop()]
+        feed.task.cancel()
+        hub.unsubscribe(feed.subscription)
+
+
+async def feed_frames(
+    *,
+    project_id: uuid.UUID,
+    after: str,
+    catch_up: ReadAfter,
+    matches: Callable[[Event], bool],
+    present: Callable[[Event], tuple[str | None, str, object]],
+) -> AsyncIterator[bytes]:
+    """Yield the frames of the events after ``after`` that ``matches`` accepts, forever, from the shared feed.
+
+    ``catch_up(cursor)`` reads this stream's next events from the database (as
+    ``event_frames`` reads) while the feed does not cover its position; ``present`` must be
+    a function of the module (not made per request), so that its frames are rendered once
+    per event for every stream. Each wake-up sends what is new in one chunk.
+    """
+    loop = asyncio.get_running_loop()
+    stream = _Stream(selectors.event_position(after))
+    feed = _feed_join(stream, project_id)
+    try:
+        yield f"retry: {RECONNECT_MS}\n\n".encode()
+        await feed.started.wait()
+        beat = heartbeat_s()
+        quiet_since = loop.time()
+        while True:
+            position = stream.position
+            if stream.served and not feed.covers(position, project_id):
+                # Fallen out of the buffer while its reader was slow: end the stream plainly.
+                # The client reconnects with Last-Event-ID (the frame has no id) and catches up.
+                yield frame(event_id=None, event_type=DROPPED, data={"reason": "slow_reader"})
+                return
+            if feed.covers(position, project_id):
+                stream.served = True
+                chunk = [entry.frame(present) for entry in feed.since(position) if matches(entry.event)]
+                stream.position = max(position, feed.cursor)
+                behind = False
+            else:
+                # Every event at or before the feed's cursor now is final before this read starts.
+                read_past = feed.cursor
+                events, cursor = await db(catch_up, f"{position[0]}-{position[1]}")
+                chunk = [frame(event_id=i, event_type=t, data=d) for i, t, d in map(present, events)]
+                behind = len(events) >= BATCH
+                stream.position = selectors.event_position(cursor)
+                if not behind:
+                    stream.position = max(stream.position, read_past)
+            if chunk:
+                for piece in pieces(chunk):
+                    stream.stalled_since = loop.time()
+                    yield piece
+                    stream.stalled_since = None
+                quiet_since = loop.time()
+                continue
+            if behind:
+                continue
+            remaining = beat - (loop.time() - quiet_since)
+            if remaining <= 0:
+                # A comment line: keeps proxies and clients from timing the stream out.
+                yield b": keepalive\n\n"
+                quiet_since = loop.time()
+                continue
+            await feed.wait_past(stream.position, remaining)
+    finally:
+        _feed_leave(feed, stream)

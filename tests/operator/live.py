@@ -188,3 +188,21 @@ class Reader:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
+
+
+def asgi_http_scope(path: str, query: str = "", headers: list[tuple[bytes, bytes]] | None = None) -> dict:
+    """Return the ASGI scope of a ``GET path?query`` to call the application in-process."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(b"host", b"testserver"), *(headers or [])],
+        "client": ("127.0.0.1", 40000),
+        "server": ("testserver", 80),
+    }

@@ -7,26 +7,13 @@ import pytest
 from asgiref.testing import ApplicationCommunicator
 
 from runstate_project.asgi import application
+from tests.operator.live import asgi_http_scope
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 async def call(path: str) -> tuple[int, dict[bytes, bytes]]:
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"testserver")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("testserver", 80),
-    }
-    communicator = ApplicationCommunicator(application, scope)
+    communicator = ApplicationCommunicator(application, asgi_http_scope(path))
     await communicator.send_input({"type": "http.request", "body": b"", "more_body": False})
     start = await communicator.receive_output(10)
     await communicator.receive_output(10)  # the body

@@ -79,15 +79,21 @@ class BarrierWaitView(AsyncApiView):
         query = self.query(s.WaitQuery)
         visibility = self.visibility
         ref = selectors.parse_id(barrier_id, what="Barrier")
-        barrier = await long_poll(
-            lambda: selectors.barrier_get(visibility, ref),
-            done=lambda b: b.state != BarrierState.WAITING,
+
+        def read():
+            barrier = selectors.barrier_get(visibility, ref)
+            return barrier, present_barrier(barrier)
+
+        barrier, body = await long_poll(
+            read,
+            done=lambda pair: pair[0].state != BarrierState.WAITING,
             topics=[ref],
             timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
+            share=("barrier", ref, visibility),
         )
         if barrier.state == BarrierState.CANCELLED:
             raise exceptions.BarrierCancelled(barrierId=str(barrier.id))
-        return Response(present_barrier(barrier))
+        return Response(body)
 
 
 class TimerCollectionView(ApiView):
@@ -129,16 +135,18 @@ class TimerWaitView(AsyncApiView):
 
         def read():
             timer = selectors.timer_get(visibility, ref)
-            return timer_services.timer_acknowledge(project_id=project_id, timer_id=timer.id)
+            timer = timer_services.timer_acknowledge(project_id=project_id, timer_id=timer.id)
+            return timer, present_timer(timer)
 
-        timer = await long_poll(
+        _, body = await long_poll(
             read,
-            done=lambda t: t.state == TimerState.ACKNOWLEDGED,
+            done=lambda pair: pair[0].state == TimerState.ACKNOWLEDGED,
             topics=[ref],
             timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
-            due_in_s=lambda t: (t.fire_at - timezone.now()).total_seconds(),
+            due_in_s=lambda pair: (pair[0].fire_at - timezone.now()).total_seconds(),
+            share=("timer", ref, visibility, project_id),
         )
-        return Response(present_timer(timer))
+        return Response(body)
 
 
 class TimerCancelView(ApiView):

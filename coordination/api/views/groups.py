@@ -78,6 +78,7 @@ class GroupWaitView(AsyncApiView):
             done=lambda pair: pair[0].state == GroupState.FINALIZED,
             topics=[group_ref],
             timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
+            share=("group", group_ref, visibility),
         )
         return Response(body)
 

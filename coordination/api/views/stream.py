@@ -9,7 +9,7 @@ from coordination import selectors
 from coordination.api.longpoll import _close_connection, in_request
 from coordination.api.negotiation import FirstRenderer
 from coordination.api.presenters import present_event
-from coordination.api.sse import BATCH, event_frames, event_stream_response
+from coordination.api.sse import BATCH, event_stream_response, feed_frames
 from coordination.api.views.base import ERRORS, AsyncApiView
 from coordination.states import Permission
 
@@ -25,7 +25,10 @@ data: <the event as JSON, as in GET /v1/events>
 The stream starts after `Last-Event-ID` (the header a browser's EventSource sends when it
 reconnects) or `?after=`, else with new events only. A reader that reconnects with the last
 id it received misses nothing and sees nothing twice. A comment line (`: keepalive`) is sent
-after 15 s without events. Needs `coordination_read`.
+after 15 s without events. A reader too slow to keep up is dropped: its stream ends with a
+frame `event: stream.dropped` (no id), or, if it takes nothing at all for a while, its
+connection is closed; it reconnects with `Last-Event-ID` and misses nothing. Needs
+`coordination_read`.
 """
 
 
@@ -72,25 +75,39 @@ class EventStreamView(AsyncApiView):
         types = [t for t in (query.get("types") or "").split(",") if t]
         run_id = query.get("runId")
 
-        def start() -> str:
+        def start() -> tuple[str, str | None]:
             # Refuse a malformed cursor or an unknown run now, with a JSON error, rather
             # than inside the stream once its 200 is sent.
-            if run_id is not None:
-                selectors.run_get(visibility, run_id)
+            run_path = selectors.run_get(visibility, run_id).path if run_id is not None else None
             if after is not None:
                 selectors.event_cursor_parse(after)
-                return after
-            return selectors.event_head(visibility)
+                return after, run_path
+            return selectors.event_head(visibility), run_path
 
-        cursor = await in_request(start)
-        # From here on the stream borrows a connection only for each read.
+        cursor, run_path = await in_request(start)
+        # From here on the stream borrows a connection only for its own catch-up reads.
         await sync_to_async(_close_connection)()
 
-        def read(after_cursor: str):
+        def catch_up(after_cursor: str):
             return selectors.event_list(visibility, after=after_cursor, types=types, run_id=run_id, limit=BATCH)
 
-        def present(event):
-            body = present_event(event)
-            return body["id"], event.type, body
+        project_id, bound_path, wanted = visibility.project_id, visibility.bound_path, frozenset(types)
 
-        return event_stream_response(event_frames(read, after=cursor, present=present))
+        def matches(event) -> bool:
+            # What event_list selects, for the events of the shared feed.
+            return (
+                event.project_id == project_id
+                and (not wanted or event.type in wanted)
+                and (bound_path is None or event.run_path.startswith(bound_path))
+                and (run_path is None or event.run_path.startswith(run_path))
+            )
+
+        return event_stream_response(
+            feed_frames(project_id=project_id, after=cursor, catch_up=catch_up, matches=matches, present=present)
+        )
+
+
+def present(event):
+    """Return an event's frame: its cursor as the id, its type as the event name, its API shape as data."""
+    body = present_event(event)
+    return body["id"], event.type, body

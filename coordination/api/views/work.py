@@ -5,7 +5,7 @@ from rest_framework.response import Response
 
 from coordination import exceptions, selectors
 from coordination.api import serializers as s
-from coordination.api.longpoll import in_request, long_poll
+from coordination.api.longpoll import claim_long_poll, in_request, long_poll
 from coordination.api.presenters import present_claim, present_mailbox, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.services import claims as claim_services
@@ -139,14 +139,20 @@ class TaskResultView(AsyncApiView):
         """Answer once the task is terminal, or with its current state after ``timeoutMs`` (max 30 s)."""
         query = self.query(s.WaitQuery)
         visibility = self.visibility
-        task = await in_request(selectors.task_get, visibility, task_id)
-        task = await long_poll(
-            lambda: selectors.task_get(visibility, task.id),
-            done=lambda t: t.state in TASK_TERMINAL,
-            topics=[task.id],
+        ref = selectors.parse_id(task_id, what="Task")
+
+        def read():
+            task = selectors.task_get(visibility, ref)
+            return task, present_task(task)
+
+        _, body = await long_poll(
+            read,
+            done=lambda pair: pair[0].state in TASK_TERMINAL,
+            topics=[ref],
             timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
+            share=("task", ref, visibility),
         )
-        return Response(present_task(task))
+        return Response(body)
 
 
 class TaskCancelView(ApiView):
@@ -188,7 +194,12 @@ class ClaimCollectionView(AsyncApiView):
                 max_claims=data["max"],
             )
 
-        claims = await long_poll(claim, done=bool, topics=run.chain_ids, timeout_ms=s.clamp_wait_ms(data["waitMs"]))
+        claims = await claim_long_poll(
+            claim,
+            topics=run.chain_ids,
+            timeout_ms=s.clamp_wait_ms(data["waitMs"]),
+            share=("claim", project_id, mailbox.id, run.id),
+        )
         return Response({"claims": [present_claim(c, mailbox.name) for c in claims]})
 
 
