@@ -141,8 +141,9 @@ def enable() -> bool:
 
 
 def disable() -> None:
-    """Turn the caches off and empty them (tests)."""
+    """Turn the caches off and empty them (tests); ``enable`` trusts only the listener it starts."""
     _state.enabled = False
+    _state.listening_epoch = None
     clear_all()
 
 
