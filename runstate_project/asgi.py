@@ -126,20 +126,21 @@ def _view_is_async(path: str) -> bool:
     return _async_routes().match(path) is not None
 
 
+def routes(resolver: URLResolver | None = None, prefix: str = "^/"):
+    """Yield ``(full path regex, view)`` for every URL pattern of the project."""
+    for pattern in (resolver or get_resolver()).url_patterns:
+        regex = prefix + pattern.pattern.regex.pattern.removeprefix("^")
+        if isinstance(pattern, URLResolver):
+            yield from routes(pattern, regex)
+        else:
+            yield regex, pattern.callback
+
+
 @functools.cache
 def _async_routes() -> re.Pattern:
     """One pattern matching the paths of every ``async`` view (resolving each path costs more)."""
-
-    def routes(resolver: URLResolver, prefix: str):
-        for pattern in resolver.url_patterns:
-            regex = prefix + pattern.pattern.regex.pattern.removeprefix("^")
-            if isinstance(pattern, URLResolver):
-                yield from routes(pattern, regex)
-            elif iscoroutinefunction(pattern.callback):
-                yield regex
-
     # Named groups would clash between alternatives; only whether one matches counts.
-    found = [re.sub(r"\(\?P<\w+>", "(?:", regex) for regex in routes(get_resolver(), "^/")]
+    found = [re.sub(r"\(\?P<\w+>", "(?:", regex) for regex, view in routes() if iscoroutinefunction(view)]
     return re.compile("|".join(f"(?:{regex})" for regex in found) or r"(?!)")
 
 
