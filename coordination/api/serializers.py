@@ -479,6 +479,12 @@ class DeliveryRejectIn(StrictSerializer):
     reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
 
 
+class DeliveryExtendIn(StrictSerializer):
+    """Body of ``POST /v1/deliveries/{id}/extend``: the new visibility, counted from now."""
+
+    visibilityMs = serializers.IntegerField(min_value=100, max_value=86_400_000)
+
+
 # Groups ----------------------------------------------------------------------------------
 
 

@@ -37,6 +37,7 @@ urlpatterns = [
     path("deliveries/<str:delivery_id>/complete", messages.DeliveryCompleteView.as_view(), name="delivery-complete"),
     path("deliveries/<str:delivery_id>/retry", messages.DeliveryRetryView.as_view(), name="delivery-retry"),
     path("deliveries/<str:delivery_id>/reject", messages.DeliveryRejectView.as_view(), name="delivery-reject"),
+    path("deliveries/<str:delivery_id>/extend", messages.DeliveryExtendView.as_view(), name="delivery-extend"),
     path("groups", groups.GroupCollectionView.as_view(), name="groups"),
     path("groups/<str:group_id>", groups.GroupDetailView.as_view(), name="group-detail"),
     path("groups/<str:group_id>/wait", groups.GroupWaitView.as_view(), name="group-wait"),

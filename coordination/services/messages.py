@@ -1,4 +1,4 @@
-"""Queue messages: send, receive, complete, retry, reject. The only writer of ``Message.state``.
+"""Queue messages: send, receive, complete, retry, reject, extend. The only writer of ``Message.state``.
 
 A delivery is ``(message id, attempt)``: every receive adds one to ``attempts`` and hands the
 message out until ``visible_at``; once that passes without an answer the message is
@@ -23,6 +23,7 @@ from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
+from coordination.services.sql import columns, fast_paths_enabled, fetch_models
 from coordination.states import MailboxMode, MessageState, RunState
 
 MAX_DELIVERIES_PER_CALL = 100
@@ -258,6 +259,73 @@ def delivery_reject(*, project_id: uuid.UUID, delivery_id: str, reason: str | No
     message.save(update_fields=["state", "dead_letter_reason", "finished_at"])
     _record(message, "message.dead_lettered", attempt=message.attempts, reason=reason)
     return message
+
+
+# Extend: the delivery's visibility, fenced like a claim's renewal ----------------------------
+
+# The delivery (message id, attempt) is still the message's current, unexpired one and its
+# run chain is active: ``_lock_delivery``'s test plus the refusal check, in one statement. A
+# cancel does not touch in-flight messages, so the chain must be read here (a held task's
+# deadline stands for it in claims; a message has no such column). It is read, not locked:
+# an extend that commits just before a concurrent cancel only moves ``visible_at`` of a
+# message the cancel leaves in flight anyway, as if it had run first. Zero rows means
+# "something else": the careful path then decides between the run's code and LEASE_LOST.
+EXTEND_SQL = f"""
+UPDATE coordination_message m
+SET visible_at = %(visible_until)s
+WHERE m.id = %(message_id)s AND m.project_id = %(project_id)s AND m.attempts = %(attempt)s
+  AND m.state = '{MessageState.IN_FLIGHT}' AND m.visible_at > %(now)s
+  AND NOT EXISTS (
+      SELECT 1 FROM coordination_run r
+      WHERE r.id = ANY (string_to_array(rtrim(m.run_path, '/'), '/')::uuid[])
+        AND (r.stored_state <> '{RunState.ACTIVE}' OR r.deadline <= %(now)s)
+  )
+RETURNING {columns(Message, "m")}
+"""
+
+
+def delivery_extend(*, project_id: uuid.UUID, delivery_id: str, visibility_ms: int) -> Delivery:
+    """Hide the delivery's message for ``visibility_ms`` more from now; return the delivery.
+
+    Fenced by the delivery's attempt: once the message was redelivered, acknowledged,
+    retried or rejected, or its visibility ran out, the extend is ``LEASE_LOST``; under an
+    inactive run it answers the run's code (DESIGN.md "Precise points").
+    """
+    validate_lease_ttl_ms(visibility_ms, field="visibilityMs")
+    if visibility_ms is None:
+        raise exceptions.ValidationFailed("Invalid visibility.", visibilityMs="is required")
+    if fast_paths_enabled():
+        message_id, attempt = parse_delivery_id(delivery_id)
+        now = timezone.now()
+        visible_until = now + timedelta(milliseconds=visibility_ms)
+        rows = fetch_models(
+            Message,
+            EXTEND_SQL,
+            {
+                "message_id": message_id,
+                "project_id": project_id,
+                "attempt": attempt,
+                "now": now,
+                "visible_until": visible_until,
+            },
+        )
+        if rows:
+            return Delivery(rows[0][0], attempt, visible_until)
+    return _delivery_extend_careful(project_id=project_id, delivery_id=delivery_id, visibility_ms=visibility_ms)
+
+
+@transaction.atomic
+def _delivery_extend_careful(*, project_id: uuid.UUID, delivery_id: str, visibility_ms: int) -> Delivery:
+    locked = _lock_delivery(project_id, delivery_id)
+    # Extending keeps work going, so like a complete it is refused once the run is inactive.
+    if locked.refusal is not None:
+        raise locked.refusal
+    if not locked.held:
+        raise _lease_lost(locked, delivery_id)
+    message = locked.message
+    message.visible_at = locked.now + timedelta(milliseconds=visibility_ms)
+    message.save(update_fields=["visible_at"])
+    return Delivery(message, message.attempts, message.visible_at)
 
 
 # Sweep: one small batch per transaction, skipping rows another sweeper holds ----------------

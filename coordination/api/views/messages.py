@@ -138,3 +138,23 @@ class DeliveryRejectView(DeliveryView):
             project_id=self.project_id, delivery_id=self.visible_delivery(delivery_id), reason=data.get("reason")
         )
         return Response(present_message(message))
+
+
+class DeliveryExtendView(DeliveryView):
+    """Extend a delivery's visibility lease."""
+
+    @extend_schema(
+        operation_id="deliveries_extend", request=s.DeliveryExtendIn, responses=with_errors({200: s.DeliveryOut})
+    )
+    def post(self, request, delivery_id):
+        """Hide the message ``visibilityMs`` more from now; ``LEASE_LOST`` once the delivery is stale.
+
+        Refused with the run's code once the run is inactive.
+        """
+        data = self.body(s.DeliveryExtendIn)
+        delivery = message_services.delivery_extend(
+            project_id=self.project_id,
+            delivery_id=self.visible_delivery(delivery_id),
+            visibility_ms=data["visibilityMs"],
+        )
+        return Response(present_delivery(delivery))
