@@ -13,6 +13,7 @@ classes below, all subclasses of ``RunstateError``. This package imports nothing
 from runstate._async.client import AsyncEvents, AsyncMailboxes, AsyncRunstate
 from runstate._async.clock import AsyncBarrier, AsyncBarriers, AsyncTimer, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker
+from runstate._async.consume_messages import AsyncMessageHandler, AsyncMessageWorker
 from runstate._async.groups import AsyncGroup, AsyncGroups
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
@@ -35,9 +36,11 @@ from runstate._errors import (
     TransportError,
     ValidationError,
 )
+from runstate._message_worker import AsyncMessageContext, MessageContext, MessageSummary, Reject
 from runstate._sync.client import Events, Mailboxes, Runstate
 from runstate._sync.clock import Barrier, Barriers, Timer, Timers
 from runstate._sync.consume import Handler, Worker
+from runstate._sync.consume_messages import MessageHandler, MessageWorker
 from runstate._sync.groups import Group, Groups
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Claim, Delivery, Messages, Tasks, Ticket
@@ -55,6 +58,9 @@ __all__ = [
     "AsyncGroups",
     "AsyncHandler",
     "AsyncMailboxes",
+    "AsyncMessageContext",
+    "AsyncMessageHandler",
+    "AsyncMessageWorker",
     "AsyncMessages",
     "AsyncRunstate",
     "AsyncScope",
@@ -82,10 +88,15 @@ __all__ = [
     "JsonDict",
     "LeaseLostError",
     "Mailboxes",
+    "MessageContext",
+    "MessageHandler",
+    "MessageSummary",
+    "MessageWorker",
     "Messages",
     "NotFoundError",
     "PermissionDeniedError",
     "RateLimitedError",
+    "Reject",
     "Runstate",
     "RunstateError",
     "Scope",

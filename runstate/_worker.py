@@ -291,9 +291,17 @@ class _Completer:
             _settle(future, result, None)
 
 
+class Stoppable(Protocol):
+    """A worker loop that ``SIGTERM`` can stop (the task engine and the message engine)."""
+
+    handle_signals: bool
+
+    def stop(self) -> None: ...
+
+
 # SIGTERM stops every worker running on a loop; the handler is installed by the first one
 # and the previous disposition restored by the last one.
-_sigterm_workers: dict[asyncio.AbstractEventLoop, set["Engine"]] = {}
+_sigterm_workers: dict[asyncio.AbstractEventLoop, set[Stoppable]] = {}
 _sigterm_previous: dict[asyncio.AbstractEventLoop, Any] = {}
 
 
@@ -304,7 +312,8 @@ def _stop_all(loop: asyncio.AbstractEventLoop) -> None:
 
 
 @contextmanager
-def _sigterm_stops(engine: "Engine", loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+def sigterm_stops(engine: Stoppable, loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """Stop ``engine`` on ``SIGTERM`` while inside (main thread only, when it handles signals)."""
     if not engine.handle_signals or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -408,7 +417,7 @@ class Engine:
         self._completer = _Completer(self._tasks)
         self._completer.start()
         renewer = asyncio.create_task(self._renew_loop(), name="runstate-renew")
-        with _sigterm_stops(self, self._loop):
+        with sigterm_stops(self, self._loop):
             try:
                 try:
                     await self._claim_loop()

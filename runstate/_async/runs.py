@@ -5,6 +5,7 @@ from typing import Any
 
 from runstate._async.clock import AsyncBarriers, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker, ConsumeSummary
+from runstate._async.consume_messages import AsyncMessageHandler, AsyncMessageWorker, MessageSummary
 from runstate._async.groups import AsyncGroups
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncMessages, AsyncTasks
@@ -15,7 +16,8 @@ class AsyncScope:
     """A handle on a run; making one (``rs.scope(id)``) sends no request.
 
     ``groups``, ``barriers``, ``timers``, ``tasks`` and ``messages`` create and find objects
-    under this run; ``consume`` runs a worker loop on it. ``data`` is the run as last seen.
+    under this run; ``consume`` runs a worker loop on it, ``consume_messages`` a message loop.
+    ``data`` is the run as last seen.
     """
 
     def __init__(self, http: AsyncHttp, run_id: str, data: JsonDict | None = None) -> None:
@@ -123,6 +125,71 @@ class AsyncScope:
             worker_id=worker_id,
             claim_wait_ms=claim_wait_ms,
             renew_fraction=renew_fraction,
+            drain_timeout=drain_timeout,
+            handle_signals=handle_signals,
+        ).run()
+
+    def message_worker(
+        self,
+        mailbox: str,
+        handler: AsyncMessageHandler,
+        *,
+        concurrency: int = 1,
+        visibility_ms: int | None = None,
+        retry_delay_ms: int = 0,
+        receive_wait_ms: int = 30_000,
+        extend_fraction: float = 1 / 3,
+        drain_timeout: float = 30.0,
+        handle_signals: bool = True,
+    ) -> AsyncMessageWorker:
+        """Return a message loop on this run (``run()`` starts it, ``stop()`` ends it); see ``consume_messages``."""
+        return AsyncMessageWorker(
+            self._http,
+            self.id,
+            mailbox,
+            handler,
+            concurrency=concurrency,
+            visibility_ms=visibility_ms,
+            retry_delay_ms=retry_delay_ms,
+            receive_wait_ms=receive_wait_ms,
+            extend_fraction=extend_fraction,
+            drain_timeout=drain_timeout,
+            handle_signals=handle_signals,
+        )
+
+    async def consume_messages(
+        self,
+        mailbox: str,
+        handler: AsyncMessageHandler,
+        *,
+        concurrency: int = 1,
+        visibility_ms: int | None = None,
+        retry_delay_ms: int = 0,
+        receive_wait_ms: int = 30_000,
+        extend_fraction: float = 1 / 3,
+        drain_timeout: float = 30.0,
+        handle_signals: bool = True,
+    ) -> MessageSummary:
+        """Receive this run's messages of ``mailbox`` and run ``handler(ctx)`` on each, ``concurrency`` at a time.
+
+        Each delivery is hidden for ``visibility_ms`` (default: the mailbox's lease TTL) and
+        extended in the background every ``extend_fraction`` of it while the handler runs.
+        The handler's return acknowledges the message; an exception puts it back after
+        ``retry_delay_ms``; ``runstate.Reject(reason)`` dead-letters it. ``ctx.signal`` is set
+        and ``ctx.lost`` is true when the delivery is lost (its run refused an extend or the
+        answer, or the lease was lost): nothing more is sent for it, and an async handler is
+        cancelled. Returns when the run refuses work (cancelled, completed, past its deadline)
+        or on ``SIGTERM`` / ``stop()``: running handlers get ``drain_timeout`` seconds to
+        finish, then are cancelled and their messages put back.
+        """
+        return await self.message_worker(
+            mailbox,
+            handler,
+            concurrency=concurrency,
+            visibility_ms=visibility_ms,
+            retry_delay_ms=retry_delay_ms,
+            receive_wait_ms=receive_wait_ms,
+            extend_fraction=extend_fraction,
             drain_timeout=drain_timeout,
             handle_signals=handle_signals,
         ).run()

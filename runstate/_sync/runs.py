@@ -7,6 +7,7 @@ from typing import Any
 from runstate._config import JsonDict, compact, segment, wire_time
 from runstate._sync.clock import Barriers, Timers
 from runstate._sync.consume import ConsumeSummary, Handler, Worker
+from runstate._sync.consume_messages import MessageHandler, MessageSummary, MessageWorker
 from runstate._sync.groups import Groups
 from runstate._sync.http import Http
 from runstate._sync.work import Messages, Tasks
@@ -16,7 +17,8 @@ class Scope:
     """A handle on a run; making one (``rs.scope(id)``) sends no request.
 
     ``groups``, ``barriers``, ``timers``, ``tasks`` and ``messages`` create and find objects
-    under this run; ``consume`` runs a worker loop on it. ``data`` is the run as last seen.
+    under this run; ``consume`` runs a worker loop on it, ``consume_messages`` a message loop.
+    ``data`` is the run as last seen.
     """
 
     def __init__(self, http: Http, run_id: str, data: JsonDict | None = None) -> None:
@@ -122,6 +124,71 @@ class Scope:
             worker_id=worker_id,
             claim_wait_ms=claim_wait_ms,
             renew_fraction=renew_fraction,
+            drain_timeout=drain_timeout,
+            handle_signals=handle_signals,
+        ).run()
+
+    def message_worker(
+        self,
+        mailbox: str,
+        handler: MessageHandler,
+        *,
+        concurrency: int = 1,
+        visibility_ms: int | None = None,
+        retry_delay_ms: int = 0,
+        receive_wait_ms: int = 30_000,
+        extend_fraction: float = 1 / 3,
+        drain_timeout: float = 30.0,
+        handle_signals: bool = True,
+    ) -> MessageWorker:
+        """Return a message loop on this run (``run()`` starts it, ``stop()`` ends it); see ``consume_messages``."""
+        return MessageWorker(
+            self._http,
+            self.id,
+            mailbox,
+            handler,
+            concurrency=concurrency,
+            visibility_ms=visibility_ms,
+            retry_delay_ms=retry_delay_ms,
+            receive_wait_ms=receive_wait_ms,
+            extend_fraction=extend_fraction,
+            drain_timeout=drain_timeout,
+            handle_signals=handle_signals,
+        )
+
+    def consume_messages(
+        self,
+        mailbox: str,
+        handler: MessageHandler,
+        *,
+        concurrency: int = 1,
+        visibility_ms: int | None = None,
+        retry_delay_ms: int = 0,
+        receive_wait_ms: int = 30_000,
+        extend_fraction: float = 1 / 3,
+        drain_timeout: float = 30.0,
+        handle_signals: bool = True,
+    ) -> MessageSummary:
+        """Receive this run's messages of ``mailbox`` and run ``handler(ctx)`` on each, ``concurrency`` at a time.
+
+        Each delivery is hidden for ``visibility_ms`` (default: the mailbox's lease TTL) and
+        extended in the background every ``extend_fraction`` of it while the handler runs.
+        The handler's return acknowledges the message; an exception puts it back after
+        ``retry_delay_ms``; ``runstate.Reject(reason)`` dead-letters it. ``ctx.signal`` is set
+        and ``ctx.lost`` is true when the delivery is lost (its run refused an extend or the
+        answer, or the lease was lost): nothing more is sent for it, and an async handler is
+        cancelled. Returns when the run refuses work (cancelled, completed, past its deadline)
+        or on ``SIGTERM`` / ``stop()``: running handlers get ``drain_timeout`` seconds to
+        finish, then are cancelled and their messages put back.
+        """
+        return self.message_worker(
+            mailbox,
+            handler,
+            concurrency=concurrency,
+            visibility_ms=visibility_ms,
+            retry_delay_ms=retry_delay_ms,
+            receive_wait_ms=receive_wait_ms,
+            extend_fraction=extend_fraction,
             drain_timeout=drain_timeout,
             handle_signals=handle_signals,
         ).run()

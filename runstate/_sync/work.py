@@ -160,6 +160,18 @@ class Delivery:
         )
         return message
 
+    def extend(self, visibility_ms: int) -> JsonDict:
+        """Hide the message ``visibility_ms`` more from now; ``LeaseLostError`` once this delivery is stale.
+
+        Refused with the run's code (``ScopeCancelledError``...) once the run is inactive.
+        """
+        data: JsonDict = self._http.request(
+            "POST", f"/deliveries/{segment(self.id)}/extend", idempotent=True, json={"visibilityMs": visibility_ms}
+        )
+        self.data = data
+        self.visible_until = parse_time(data.get("visibleUntil"))
+        return data
+
 
 class Tasks:
     """Tasks of a WORK mailbox: ``run.tasks`` (submit and claim under the run) or ``rs.tasks``."""
