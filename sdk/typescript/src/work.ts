@@ -132,11 +132,12 @@ export class Delivery {
   readonly messageId: string;
   readonly body: unknown;
   readonly attempt: number;
-  readonly visibleUntil: Date | null;
+  /** When the message becomes visible again unless acknowledged; `extend` moves it. */
+  visibleUntil: Date | null;
 
   constructor(
     private readonly http: Http,
-    readonly data: DeliveryData,
+    public data: DeliveryData,
   ) {
     this.id = data.deliveryId;
     this.messageId = data.messageId;
@@ -164,6 +165,21 @@ export class Delivery {
       idempotent: true,
       body: compact({ reason: options.reason }),
     });
+  }
+
+  /**
+   * Hide the message `visibilityMs` more from now (100 ms to 24 h). Fenced by this delivery's
+   * attempt: `LeaseLostError` once it is stale, the run's code (`ScopeCancelledError`...) once
+   * the run is inactive.
+   */
+  async extend(visibilityMs: number): Promise<DeliveryData> {
+    const data = await this.http.request<DeliveryData>('POST', `/deliveries/${segment(this.id)}/extend`, {
+      idempotent: true,
+      body: { visibilityMs },
+    });
+    this.data = data;
+    this.visibleUntil = parseTime(data.visibleUntil);
+    return data;
   }
 }
 

@@ -260,6 +260,27 @@ describe('against the live service', { concurrency: true, timeout: 180_000 }, ()
     );
   });
 
+  test('queue messages: extend moves visibleUntil, a stale or cancelled delivery cannot extend', async () => {
+    const rs = new Runstate();
+    const mailbox = unique('extend');
+    await rs.mailboxes.ensure(mailbox, { mode: 'QUEUE' });
+    const run = await rs.scopes.create();
+    await run.messages.send(mailbox, { n: 1 });
+    const [delivery] = await run.messages.receive(mailbox, { visibilityMs: 1_000 });
+    assert.ok(delivery);
+    const before = delivery.visibleUntil?.getTime() ?? 0;
+    const extended = await delivery.extend(60_000);
+    assert.equal(extended.deliveryId, delivery.id);
+    assert.ok((delivery.visibleUntil?.getTime() ?? 0) > before + 30_000);
+    assert.deepEqual(await run.messages.receive(mailbox), []);
+    await delivery.retry();
+    await assert.rejects(delivery.extend(60_000), LeaseLostError);
+    const [again] = await run.messages.receive(mailbox);
+    assert.ok(again && again.attempt === 2);
+    await run.cancel();
+    await assert.rejects(again.extend(60_000), ScopeCancelledError);
+  });
+
   test('groups: join a task, seal, and a finalized group refuses seal', async () => {
     const rs = new Runstate();
     const mailbox = unique('members');
