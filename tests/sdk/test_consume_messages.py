@@ -9,9 +9,11 @@ import threading
 import time
 
 import pytest
+from django.db import connection
 
 import runstate
 from coordination.models import Event, Message
+from coordination.services.messages import delivery_retry
 from runstate import AsyncRunstate, Reject, Runstate
 from tests.sdk.conftest import ROOT
 
@@ -151,6 +153,49 @@ def test_background_extends_keep_a_slow_handlers_message_from_redelivery(sdk):
     row = Message.objects.get(id=message["id"])
     assert (row.state, row.attempts) == ("COMPLETED", 1)
     assert Event.objects.filter(type="message.received", subject_id=message["id"]).count() == 1
+
+
+def retry_elsewhere(project_id, delivery_id):
+    """Retry the delivery as another party would, on a connection of this thread (closed after)."""
+    try:
+        delivery_retry(project_id=project_id, delivery_id=delivery_id, delay_ms=60_000)
+    finally:
+        connection.close()
+
+
+def test_a_delivery_answered_elsewhere_is_lost_at_the_next_extend(sdk):
+    """Another party retries the delivery (delay 60 s): the next extend is LEASE_LOST, the handler cancelled."""
+    seen = {}
+
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            run, (message,) = await queue_with(rs, "taken", [{"job": 1}])
+            started = asyncio.Event()
+
+            async def handler(ctx):
+                seen["ctx"] = ctx
+                started.set()
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    seen["cancelled"] = True
+                    raise
+
+            worker = run.message_worker("taken", handler, visibility_ms=VISIBILITY_MS, handle_signals=False)
+            running = asyncio.create_task(worker.run())
+            await asyncio.wait_for(started.wait(), 20)
+            await asyncio.to_thread(retry_elsewhere, sdk.project_id, seen["ctx"].delivery_id)
+            await until(lambda: worker.summary.lost >= 1, what="the lost delivery")
+            worker.stop()
+            return message, await running
+
+    message, summary = asyncio.run(scenario())
+
+    ctx = seen["ctx"]
+    assert (summary.lost, summary.completed, summary.retried) == (1, 0, 0)
+    assert ctx.lost and ctx.stop_reason == "lease_lost" and seen.get("cancelled") is True
+    row = Message.objects.get(id=message["id"])
+    assert (row.state, row.attempts) == ("QUEUED", 1)  # the other party's retry stands; nothing more was sent
 
 
 @pytest.mark.parametrize("client", ["async", "sync"])
