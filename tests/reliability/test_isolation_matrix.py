@@ -78,6 +78,7 @@ def cases(a, b):
         ("claims_release", "post", f"/v1/claims/{b['claim']}/release", {}),
         ("claims_renew", "post", f"/v1/claims/{b['claim']}/renew", {}),
         ("deliveries_complete", "post", f"/v1/deliveries/{b['delivery']}/complete", {}),
+        ("deliveries_extend", "post", f"/v1/deliveries/{b['delivery']}/extend", {"visibilityMs": 1000}),
         ("deliveries_reject", "post", f"/v1/deliveries/{b['delivery']}/reject", {}),
         ("deliveries_retry", "post", f"/v1/deliveries/{b['delivery']}/retry", {}),
         ("events_list", "get", f"/v1/events?runId={b['run']}", None),
