@@ -32,7 +32,7 @@ from runstate._worker import (
     MIN_RENEW_INTERVAL_S,
     TRANSIENT,
     _Signal,
-    sigterm_stops,
+    _sigterm_stops,
 )
 
 logger = logging.getLogger("runstate.worker")
@@ -208,7 +208,7 @@ class MessageEngine:
             self._visibility_ms = int(mailbox["leaseTtlMs"])
         else:
             self._visibility_ms = self.visibility_ms
-        with sigterm_stops(self, self._loop):
+        with _sigterm_stops(self, self._loop):
             try:
                 await self._receive_loop()
             except BaseException:

@@ -312,8 +312,7 @@ def _stop_all(loop: asyncio.AbstractEventLoop) -> None:
 
 
 @contextmanager
-def sigterm_stops(engine: Stoppable, loop: asyncio.AbstractEventLoop) -> Iterator[None]:
-    """Stop ``engine`` on ``SIGTERM`` while inside (main thread only, when it handles signals)."""
+def _sigterm_stops(engine: Stoppable, loop: asyncio.AbstractEventLoop) -> Iterator[None]:
     if not engine.handle_signals or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -417,7 +416,7 @@ class Engine:
         self._completer = _Completer(self._tasks)
         self._completer.start()
         renewer = asyncio.create_task(self._renew_loop(), name="runstate-renew")
-        with sigterm_stops(self, self._loop):
+        with _sigterm_stops(self, self._loop):
             try:
                 try:
                     await self._claim_loop()
