@@ -2,6 +2,7 @@
 ``ctx.cancel_on_request()`` aborting an httpx call to a slow server."""
 
 import asyncio
+import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -348,3 +349,65 @@ def test_an_abort_that_escapes_the_handler_acknowledges_the_cancellation(sdk):
     task, summary = asyncio.run(scenario())
     assert started and task["state"] == "CANCELLED" and task["outcome"] is None
     assert summary.completed == 1 and summary.failed == 0
+
+
+def test_a_hold_cancelled_from_outside_releases_the_task(sdk):
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            _, ticket, claim = await claim_one(rs, "hold-outside")
+            inside = asyncio.Event()
+
+            async def holder():
+                async with claim.hold():
+                    inside.set()
+                    await asyncio.sleep(3600)
+
+            task = asyncio.create_task(holder())
+            await inside.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await ticket.status()
+
+    task = asyncio.run(scenario())
+    assert task["state"] == "QUEUED" and task["attempts"] == 1
+
+
+async def cancel_later(client, task_id, delay_s):
+    await asyncio.sleep(delay_s)
+    await client.tasks.get(task_id).cancel(reason="race")
+
+
+def test_a_cancel_racing_the_end_of_a_hold_never_breaks_the_record(sdk):
+    """Rounds of a cancel request sent at a random moment around the block's end (renewing every ~70 ms).
+
+    Whatever the order, the ``async with`` never raises, and the task ends CANCELLED when the
+    request was recorded before the completion, SUCCEEDED otherwise; a signal the block saw
+    always means CANCELLED.
+    """
+    rounds = 20
+
+    async def scenario():
+        results = []
+        async with AsyncRunstate() as rs, AsyncRunstate() as operator:
+            await rs.mailboxes.ensure("hold-race", mode="WORK", lease_ttl_ms=200)
+            run = await rs.scopes.create()
+            for n in range(rounds):
+                ticket = await run.tasks.submit("hold-race", {"n": n})
+                (claim,) = await run.tasks.claim("hold-race")
+                cancel = asyncio.create_task(cancel_later(operator, ticket.id, random.uniform(0, 0.4)))
+                async with claim.hold() as ctx:
+                    await asyncio.sleep(random.uniform(0, 0.4))
+                    ctx.complete({"n": n})
+                saw_signal = ctx.signal.is_set()
+                await cancel
+                results.append((saw_signal, await ticket.status()))
+        return results
+
+    results = asyncio.run(scenario())
+    assert len(results) == 20
+    for saw_signal, task in results:
+        assert task["state"] in ("SUCCEEDED", "CANCELLED")
+        assert task["outcome"] == {"n": task["input"]["n"]}
+        if saw_signal:
+            assert task["state"] == "CANCELLED"
