@@ -736,13 +736,7 @@ class Engine:
         try:
             task = await call
         except (LeaseLostError, ScopeInactiveError, NotFoundError) as exc:
-            logger.info(
-                "task %s attempt %d: result not recorded (%s) after %.3f s",
-                held.claim.task_id,
-                held.claim.attempt,
-                exc.code,
-                took,
-            )
+            logger.info("task %s: result not recorded (%s)", held.claim.task_id, exc.code)
             held.refusal = exc
             self.summary.lost += 1
             return

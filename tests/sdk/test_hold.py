@@ -379,7 +379,7 @@ async def cancel_later(client, task_id, delay_s):
 
 
 def test_a_cancel_racing_the_end_of_a_hold_never_breaks_the_record(sdk):
-    """Rounds of a cancel request sent at a random moment around the block's end (renewing every ~70 ms).
+    """Rounds of a cancel request sent at a random moment around the block's end (renewing every 100 ms).
 
     Whatever the order, the ``async with`` never raises, and the task ends CANCELLED when the
     request was recorded before the completion, SUCCEEDED otherwise; a signal the block saw
@@ -390,13 +390,14 @@ def test_a_cancel_racing_the_end_of_a_hold_never_breaks_the_record(sdk):
     async def scenario():
         results = []
         async with AsyncRunstate() as rs, AsyncRunstate() as operator:
-            await rs.mailboxes.ensure("hold-race", mode="WORK", lease_ttl_ms=200)
+            await rs.mailboxes.ensure("hold-race", mode="WORK", lease_ttl_ms=LEASE_TTL_MS)
             run = await rs.scopes.create()
             for n in range(rounds):
                 ticket = await run.tasks.submit("hold-race", {"n": n})
                 (claim,) = await run.tasks.claim("hold-race")
                 cancel = asyncio.create_task(cancel_later(operator, ticket.id, random.uniform(0, 0.4)))
-                async with claim.hold() as ctx:
+                # Renewals every 100 ms, with 900 ms of slack: a busy machine does not lose the lease.
+                async with claim.hold(renew_fraction=0.1) as ctx:
                     await asyncio.sleep(random.uniform(0, 0.4))
                     ctx.complete({"n": n})
                 saw_signal = ctx.signal.is_set()
