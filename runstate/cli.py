@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from runstate._async.client import AsyncRunstate
+from runstate._async.runs import AsyncScope
 from runstate._config import JsonDict
 from runstate._errors import RunstateError
 from runstate._sync.client import Runstate
@@ -101,6 +102,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.grace_s < 0:
         raise ConfigError("--grace-s must be >= 0")
     options = _client_options(args)
+    if args.queue and not hasattr(AsyncScope, "consume_messages"):
+        raise ConfigError("--queue needs an SDK with scope.consume_messages (not in this version)")
     kind = "queue" if args.queue else "work"
     logger.info(
         "worker %s on run %s, %s mailbox %r, concurrency %d (pid %d)",
