@@ -412,3 +412,34 @@ def test_a_cancel_racing_the_end_of_a_hold_never_breaks_the_record(sdk):
         assert task["outcome"] == {"n": task["input"]["n"]}
         if saw_signal:
             assert task["state"] == "CANCELLED"
+
+
+def test_a_consumer_whose_run_is_cancelled_inside_cancel_on_request_records_nothing(sdk):
+    """The engine cancels a handler whose run is refused; cancel_on_request leaves that a CancelledError."""
+    seen = []
+    started = []
+
+    async def handler(ctx):
+        started.append(ctx.task_id)
+        try:
+            async with ctx.cancel_on_request():
+                await asyncio.sleep(3600)
+        except BaseException as exc:
+            seen.append((type(exc), ctx.stop_reason))
+            raise
+
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            await rs.mailboxes.ensure("abort-refused", mode="WORK", lease_ttl_ms=LEASE_TTL_MS)
+            run = await rs.scopes.create()
+            await run.tasks.submit("abort-refused", {})
+            worker = run.worker("abort-refused", handler, handle_signals=False)
+            running = asyncio.create_task(worker.run())
+            await until_async(lambda: started)
+            await run.cancel(reason="stop all")
+            return await asyncio.wait_for(running, 30)
+
+    summary = asyncio.run(scenario())
+    assert seen == [(asyncio.CancelledError, "scope_refused")]
+    assert (summary.completed, summary.failed, summary.lost) == (0, 0, 1)
+    assert summary.stop_reason == "SCOPE_CANCELLED"
