@@ -3,7 +3,8 @@
 The async modules are the source of truth; each listed one is rewritten token by token
 (``async def`` -> ``def``, ``await x`` -> ``x``, ``AsyncFoo`` -> ``Foo``, ``aclose`` ->
 ``close``, ``asyncio.sleep`` -> ``time.sleep``...) and formatted with ruff. The worker
-loops (``consume.py``) differ in kind and are written by hand on both sides.
+loops (``consume.py``) and claim holders (``hold.py``) differ in kind and are written by
+hand on both sides.
 
     python sdk/unasync.py           # rewrite runstate/_sync/
     python sdk/unasync.py --check   # exit 1 if runstate/_sync/ is stale
