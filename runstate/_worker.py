@@ -193,6 +193,8 @@ class _Held:
         self.handler: asyncio.Future[Any] | None = None
         self.supervisor: asyncio.Task[None] | None = None
         self.lease_until = monotonic()  # when the lease runs out at the latest, by this process's clock
+        self.started = monotonic()  # for the duration in the task's log line
+        self.refusal: RunstateError | None = None  # why the record of the result was refused, if it was
 
     def running(self) -> bool:
         """Return whether the handler is still running (it takes a slot of ``concurrency``)."""
@@ -567,6 +569,13 @@ class Engine:
                 outcome = await held.handler
             except asyncio.CancelledError:
                 if held.lost:
+                    logger.info(
+                        "task %s attempt %d: lost (%s) after %.3f s",
+                        held.claim.task_id,
+                        held.claim.attempt,
+                        held.ctx.stop_reason,
+                        monotonic() - held.started,
+                    )
                     self.summary.lost += 1
                 elif held.abandoned:
                     await self._release(held.claim)
@@ -596,16 +605,34 @@ class Engine:
         await self._record(held, held.claim.fail(describe_error(exc), retry=True), failed=True)
 
     async def _record(self, held: _Held, call: Awaitable[JsonDict], *, failed: bool) -> None:
+        took = monotonic() - held.started
         try:
-            await call
+            task = await call
         except (LeaseLostError, ScopeInactiveError, NotFoundError) as exc:
-            logger.info("task %s: result not recorded (%s)", held.claim.task_id, exc.code)
+            logger.info(
+                "task %s attempt %d: result not recorded (%s) after %.3f s",
+                held.claim.task_id,
+                held.claim.attempt,
+                exc.code,
+                took,
+            )
+            held.refusal = exc
             self.summary.lost += 1
             return
         except RunstateError as exc:
             logger.error("task %s: result not recorded: %s", held.claim.task_id, exc)
+            held.refusal = exc
             self.summary.lost += 1
             return
+        # One line per task: what the handler did, what the task became, how long it took.
+        logger.info(
+            "task %s attempt %d: %s -> %s in %.3f s",
+            held.claim.task_id,
+            held.claim.attempt,
+            "failed" if failed else "returned",
+            task.get("state") if isinstance(task, dict) else "?",
+            took,
+        )
         if failed:
             self.summary.failed += 1
         else:
@@ -617,6 +644,7 @@ class Engine:
         except RunstateError as exc:
             logger.info("task %s: release refused (%s)", claim.task_id, exc)
             return
+        logger.info("task %s attempt %d: released (stopping)", claim.task_id, claim.attempt)
         self.summary.released += 1
 
     async def _shutdown(self, *, drain_timeout: float) -> None:

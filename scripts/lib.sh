@@ -69,7 +69,8 @@ ensure_venv() {
     wanted="$(_sha256 "$RUNSTATE_ROOT/requirements.txt")"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
         say "Installing requirements.txt into .venv"
-        "$RUNSTATE_VENV/bin/python" -m pip install --quiet -r "$RUNSTATE_ROOT/requirements.txt" </dev/null ||
+        # From the root: requirements.txt ends with "-e ." (the checkout, for the runstate command).
+        (cd "$RUNSTATE_ROOT" && "$RUNSTATE_VENV/bin/python" -m pip install --quiet -r requirements.txt </dev/null) ||
             die "pip install -r requirements.txt failed"
         printf '%s\n' "$wanted" >"$stamp"
     else
