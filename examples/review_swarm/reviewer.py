@@ -34,17 +34,21 @@ def parse_args(prog: str, description: str, argv: list[str] | None, **defaults: 
     parser.add_argument("--start-timeout", type=float, default=30, help="seconds to wait for a first draft to start")
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    # How a shell gets the same key (printed for the workers of review_swarm_workers).
+    args.key_in_shell = "<your key>"
     if not args.key:
-        args.key = dev_api_key()
-        if not args.key:
-            parser.error("no --key, no RUNSTATE_API_KEY and no var/dev-api-key: is scripts/start running?")
+        key_file = dev_api_key_file()
+        if not key_file.exists():
+            parser.error(f"no --key, no RUNSTATE_API_KEY and no {key_file}: is scripts/start running?")
+        args.key = key_file.read_text().strip()
+        shown = key_file.relative_to(ROOT) if key_file.is_relative_to(ROOT) else key_file
+        args.key_in_shell = f"$(cat {shown})"
     return args
 
 
-def dev_api_key() -> str | None:
-    """Return the development key ``scripts/start`` writes to ``var/dev-api-key`` (or ``RUNSTATE_VAR_DIR``)."""
-    key_file = Path(os.environ.get("RUNSTATE_VAR_DIR", ROOT / "var")) / "dev-api-key"
-    return key_file.read_text().strip() if key_file.exists() else None
+def dev_api_key_file() -> Path:
+    """Return where ``scripts/start`` keeps the development key: ``var/dev-api-key`` (or under ``RUNSTATE_VAR_DIR``)."""
+    return Path(os.environ.get("RUNSTATE_VAR_DIR", ROOT / "var")) / "dev-api-key"
 
 
 def say(message: str) -> None:
@@ -129,7 +133,7 @@ async def report(group: AsyncGroup, finished: list[JsonDict]) -> int:
     accepted = sum(1 for member in decision["members"] if member["verdict"] == "ACCEPTED")
     say(
         f"{accepted} accepted; cancelled in the deciding transaction: {stopped} drafts mid-run "
-        f"(their handlers stop at the next heartbeat, nothing more is recorded), "
+        f"(their handlers are told at their next lease renewal; nothing more is recorded), "
         f"{len(cancelled) - stopped} never started"
     )
     return 0 if decision["outcome"] == "SUCCESS" else 1

@@ -53,5 +53,11 @@ def test_review_swarm_celery_workers_draft_and_the_fifth_acceptance_decides(tmp_
         written = [m.task.worker_id for m in members if m.task.state == "SUCCEEDED"]
         assert len(written) >= 5
         assert all(worker.startswith("celery@") for worker in written), written
+        # A handler that stopped early (tasks.py logs it at WARNING) was writing a draft the decision cancelled.
+        mid_run = {str(m.task.id) for m in members if m.task.state == "CANCELLED" and m.task.started_at}
+        worker_log = (service.var_dir / "log" / "worker.log").read_text(errors="replace")
+        stopped = set(re.findall(r"draft (\S+) \(angle \d+\) stopped after", worker_log))
+        assert stopped <= mid_run, (stopped, mid_run)
+        assert f"{len(mid_run)} drafts mid-run" in printed, printed
         # The schema check's draft was refused: no task outside the group.
         assert Task.objects.count() == 12
