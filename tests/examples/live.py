@@ -33,12 +33,12 @@ def person_env(var_dir: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, **database_env(), "RUNSTATE_VAR_DIR": str(var_dir), "PYTHONUNBUFFERED": "1"}
     for name in ("PROMETHEUS_MULTIPROC_DIR", "RUNSTATE_URL", "RUNSTATE_API_KEY", "RUNSTATE_SCOPE_ID"):
         env.pop(name, None)
-    if env["DATABASE_URL"]:
-        # PostgreSQL: the broker the suite was given (each developer has their own Redis db).
-        env["CELERY_BROKER_URL"] = settings.CELERY_BROKER_URL
-    else:
-        # SQLite: nothing configured, so scripts/start uses its filesystem broker under var/.
+    if settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        # Nothing configured (the SQLite runs): scripts/start uses its filesystem broker under var/.
         env.pop("CELERY_BROKER_URL", None)
+    else:
+        # The broker the suite was given (Redis or RabbitMQ; each developer has their own).
+        env["CELERY_BROKER_URL"] = settings.CELERY_BROKER_URL
     env.update(extra)
     return env
 

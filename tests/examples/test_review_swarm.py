@@ -13,6 +13,7 @@ import pytest
 
 from coordination.models import Run, Task, TaskGroup
 from tests.examples.live import finish, readme_commands, shell, started
+from tests.operator.live import ROOT
 
 START = "RUNSTATE_TASK_MODULES=examples.review_swarm.tasks scripts/start"
 REVIEW = ".venv/bin/python -m examples.review_swarm"
@@ -21,10 +22,10 @@ REVIEW = ".venv/bin/python -m examples.review_swarm"
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_readme_runs_these_commands():
-    readme = readme_commands()
-    assert START in readme
-    assert REVIEW in readme
+def test_readmes_run_these_commands():
+    for readme in (readme_commands(), (ROOT / "examples" / "review_swarm" / "README.md").read_text()):
+        assert START in readme
+        assert REVIEW in readme
 
 
 def test_review_swarm_celery_workers_draft_and_the_fifth_acceptance_decides(tmp_path):
