@@ -14,6 +14,7 @@ from runstate._async.client import AsyncEvents, AsyncMailboxes, AsyncRunstate
 from runstate._async.clock import AsyncBarrier, AsyncBarriers, AsyncTimer, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker
 from runstate._async.groups import AsyncGroup, AsyncGroups
+from runstate._async.hold import AsyncHold, AsyncHoldContext
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
 from runstate._batch import ClaimResult, TaskItem
@@ -39,9 +40,10 @@ from runstate._sync.client import Events, Mailboxes, Runstate
 from runstate._sync.clock import Barrier, Barriers, Timer, Timers
 from runstate._sync.consume import Handler, Worker
 from runstate._sync.groups import Group, Groups
+from runstate._sync.hold import Hold, HoldContext
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Claim, Delivery, Messages, Tasks, Ticket
-from runstate._worker import AsyncTaskContext, ConsumeSummary, TaskContext
+from runstate._worker import AsyncTaskContext, CancellationRequested, ConsumeSummary, TaskContext
 
 __version__ = SDK_VERSION
 
@@ -54,6 +56,8 @@ __all__ = [
     "AsyncGroup",
     "AsyncGroups",
     "AsyncHandler",
+    "AsyncHold",
+    "AsyncHoldContext",
     "AsyncMailboxes",
     "AsyncMessages",
     "AsyncRunstate",
@@ -68,6 +72,7 @@ __all__ = [
     "AuthenticationError",
     "Barrier",
     "Barriers",
+    "CancellationRequested",
     "Claim",
     "ClaimResult",
     "ClientConfig",
@@ -79,6 +84,8 @@ __all__ = [
     "Group",
     "Groups",
     "Handler",
+    "Hold",
+    "HoldContext",
     "JsonDict",
     "LeaseLostError",
     "Mailboxes",

@@ -59,6 +59,20 @@ FLUSH_SIZE = 50
 FLUSH_DELAY_S = 0.02
 
 
+class CancellationRequested(Exception):  # noqa: N818 - named after what happened, like asyncio.CancelledError
+    """Raised by ``ctx.cancel_on_request()`` when it aborted the block it wraps.
+
+    ``reason`` is the context's ``stop_reason``: ``"cancellation_requested"``, ``"lease_lost"``,
+    ``"scope_refused"`` or ``"stopping"``. A handler that lets it escape acknowledges the
+    cancellation: the task is completed (``CANCELLED``) when cancellation was requested, and
+    nothing is recorded when the claim is gone.
+    """
+
+    def __init__(self, reason: str | None) -> None:
+        super().__init__(f"the block was aborted: {reason}")
+        self.reason = reason
+
+
 class _Signal(Protocol):
     def set(self) -> None: ...
 
@@ -97,7 +111,7 @@ class AsyncTaskContext(_TaskContextBase):
     """The context of an ``AsyncRunstate`` handler; ``signal`` is an ``asyncio.Event``.
 
     A plain-function handler runs in a thread: it should poll ``is_cancellation_requested()``
-    rather than wait on the ``asyncio.Event``.
+    rather than wait on the ``asyncio.Event`` (and cannot use ``cancel_on_request``).
     """
 
     signal: asyncio.Event
@@ -106,15 +120,121 @@ class AsyncTaskContext(_TaskContextBase):
         super().__init__(claim)
         self.signal = asyncio.Event()
 
+    async def wait_cancelled(self, timeout: float | None = None) -> bool:
+        """Wait until the signal is set (or ``timeout`` seconds); return whether it is."""
+        if timeout is None:
+            await self.signal.wait()
+            return True
+        try:
+            await asyncio.wait_for(self.signal.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def cancel_on_request(self) -> "AbortOnSignal":
+        """Return an async context manager that aborts its block when the signal is set.
+
+        The block is cancelled (asyncio task cancellation, as an ``AbortSignal`` aborts a
+        ``fetch``) and ``CancellationRequested`` is raised from the ``async with``; catch it
+        to decide what to record. A block already past when the signal is set is untouched.
+        """
+        return AbortOnSignal(self)
+
+
+class AbortOnSignal:
+    """``async with ctx.cancel_on_request():`` (see ``AsyncTaskContext.cancel_on_request``).
+
+    Built as ``asyncio.timeout`` is: the task is cancelled from a callback, and on the way
+    out a ``CancelledError`` this block caused (and no one else's) becomes ``CancellationRequested``.
+    """
+
+    def __init__(self, ctx: AsyncTaskContext) -> None:
+        self._ctx = ctx
+        self._task: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._fired = False
+        self._active = False
+
+    async def __aenter__(self) -> "AbortOnSignal":
+        if self._ctx.signal.is_set():
+            raise CancellationRequested(self._ctx.stop_reason)
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("cancel_on_request() must be used inside an asyncio task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._active = True
+        self._watcher = asyncio.ensure_future(self._ctx.signal.wait())
+        self._watcher.add_done_callback(self._on_signal)
+        return self
+
+    def _on_signal(self, watcher: "asyncio.Future[Any]") -> None:
+        # Runs on the loop while the block's task waits at an ``await`` (never in between).
+        if watcher.cancelled() or not self._active or self._task is None:
+            return
+        self._fired = True
+        self._task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._active = False
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if not self._fired or self._task is None:
+            return
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise CancellationRequested(self._ctx.stop_reason) from exc
+
 
 class TaskContext(_TaskContextBase):
-    """The context of a ``Runstate`` handler (run in a thread); ``signal`` is a ``threading.Event``."""
+    """The context of a ``Runstate`` handler (run in a thread); ``signal`` is a ``threading.Event``.
+
+    A thread cannot be cancelled: there is no ``cancel_on_request`` here. Check the signal
+    between steps, pass short timeouts to blocking calls, or block in ``wait_cancelled``.
+    """
 
     signal: threading.Event
 
     def __init__(self, claim: AsyncClaim) -> None:
         super().__init__(claim)
         self.signal = threading.Event()
+
+    def wait_cancelled(self, timeout: float | None = None) -> bool:
+        """Block until the signal is set (or ``timeout`` seconds); return whether it is."""
+        return self.signal.wait(timeout)
+
+
+class _HoldOutcome:
+    """What a ``claim.hold()`` block asked for: ``complete(value)`` or ``release()``."""
+
+    def _init_outcome(self) -> None:
+        self.outcome: Any = None
+        self.released = False
+
+    def complete(self, value: Any = None) -> None:
+        """Record ``value`` as the outcome when the block ends (the default outcome is ``None``)."""
+        self.outcome = value
+        self.released = False
+
+    def release(self) -> None:
+        """Hand the task back to the queue when the block ends (acknowledge instead if cancellation was requested)."""
+        self.released = True
+
+
+class AsyncHoldContext(_HoldOutcome, AsyncTaskContext):
+    """The context of ``async with claim.hold() as ctx``: a handler's context plus ``complete`` and ``release``."""
+
+    def __init__(self, claim: AsyncClaim) -> None:
+        super().__init__(claim)
+        self._init_outcome()
+
+
+class HoldContext(_HoldOutcome, TaskContext):
+    """The context of ``with claim.hold() as ctx``: a handler's context plus ``complete`` and ``release``."""
+
+    def __init__(self, claim: AsyncClaim) -> None:
+        super().__init__(claim)
+        self._init_outcome()
 
 
 @dataclass
@@ -582,6 +702,13 @@ class Engine:
                 else:  # the handler cancelled itself: a failure like any other
                     await self._record_failure(held, asyncio.CancelledError("handler cancelled"))
                 return
+            except CancellationRequested:
+                # The handler let cancel_on_request's abort escape: it acknowledges the request.
+                if held.lost:
+                    self.summary.lost += 1
+                else:
+                    await self._record_outcome(held, None)
+                return
             except Exception as exc:  # noqa: BLE001 - the handler's failure is recorded, not raised
                 await self._record_failure(held, exc)
                 return
@@ -665,3 +792,97 @@ class Engine:
         remaining = [held.supervisor for held in self._held.values() if held.supervisor is not None]
         if remaining:
             await asyncio.wait(remaining)
+
+
+class Holder:
+    """One claim held by hand (``claim.hold()``): the consume engine's renewer around a block.
+
+    The engine is used without its claim loop: the claim is adopted as a held task whose
+    "handler" is the block (a placeholder future that stays pending while the block runs),
+    so the same renewer renews it, trips its context on a cancel request or a lost lease,
+    and the same record methods complete, fail or release it when the block ends.
+    """
+
+    def __init__(
+        self,
+        http: AsyncHttp,
+        claim: AsyncClaim,
+        ctx: _TaskContextBase,
+        *,
+        lease_ttl_ms: int | None,
+        renew_fraction: float,
+    ) -> None:
+        self.claim = claim
+        self.ctx = ctx
+        self.engine = Engine(
+            http,
+            str(claim.task.get("runId")),
+            str(claim.task.get("mailbox")),
+            make_context=lambda _: ctx,
+            start_handler=self._never,
+            concurrency=1,
+            lease_ttl_ms=lease_ttl_ms,
+            worker_id=None,
+            claim_wait_ms=0,
+            renew_fraction=renew_fraction,
+            drain_timeout=0,
+            handle_signals=False,
+        )
+        self.held = _Held(claim, ctx)
+        self._renewer: asyncio.Task[None] | None = None
+
+    @staticmethod
+    async def _never(ctx: _TaskContextBase) -> Any:
+        raise AssertionError("a held claim has no handler")  # pragma: no cover
+
+    async def enter(self) -> None:
+        """Start renewing (every ``renew_fraction`` of the lease TTL: the given one, else the mailbox's)."""
+        engine = self.engine
+        ttl_ms = engine.lease_ttl_ms
+        if ttl_ms is None:
+            mailbox = await engine._http.request("GET", f"/mailboxes/{segment(engine.mailbox)}", idempotent=True)
+            ttl_ms = int(mailbox["leaseTtlMs"])
+        engine._ttl_s = ttl_ms / 1000
+        held = self.held
+        held.handler = asyncio.get_running_loop().create_future()  # pending while the block runs
+        held.lease_until = monotonic() + engine._ttl_s
+        held.started = monotonic()
+        if self.claim.cancellation_requested:
+            self.ctx._trip("cancellation_requested")
+        engine._held[self.claim.id] = held
+        self._renewer = asyncio.create_task(engine._renew_loop(), name=f"runstate-hold-{self.claim.task_id}")
+
+    async def exit(self, error: BaseException | None) -> RunstateError | None:
+        """Stop renewing and record what the block did, as ``consume`` records a handler's end.
+
+        Returns the service's refusal of that record (``None`` when it was recorded).
+        """
+        if self._renewer is not None:
+            # No renewal may race the record (a renewal after a complete would be refused and trip the signal).
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+        engine, held, ctx = self.engine, self.held, self.ctx
+        engine._held.pop(self.claim.id, None)
+        if held.handler is not None and not held.handler.done():
+            held.handler.cancel()
+        released = isinstance(ctx, _HoldOutcome) and ctx.released
+        cancel_requested = ctx.stop_reason == "cancellation_requested" or self.claim.cancellation_requested
+        if error is not None and not isinstance(error, Exception):
+            # Cancelled from outside (or KeyboardInterrupt): hand the task back, as a stopping worker does.
+            await engine._release(self.claim)
+        elif isinstance(error, CancellationRequested):
+            if ctx.stop_reason == "cancellation_requested":
+                await engine._record_outcome(held, None)  # the abort acknowledges the request
+        elif error is not None:
+            await engine._record_failure(held, error)
+        elif released and not cancel_requested:
+            try:
+                await self.claim.release()
+            except RunstateError as exc:
+                held.refusal = exc
+            else:
+                logger.info("task %s attempt %d: released", self.claim.task_id, self.claim.attempt)
+        else:
+            outcome = ctx.outcome if isinstance(ctx, _HoldOutcome) and not released else None
+            await engine._record_outcome(held, outcome)
+        return held.refusal

@@ -61,17 +61,18 @@ def load_handler(path: str) -> Callable[..., Any]:
             raise ConfigError(f"handler {path!r}: {module_name!r} has no attribute {attr!r}") from None
     if not callable(target):
         raise ConfigError(f"handler {path!r} is not callable (it is a {type(target).__name__})")
-    return target
+    handler: Callable[..., Any] = target
+    return handler
 
 
-def _client_options(args: argparse.Namespace) -> dict[str, str]:
+def _client_options(args: argparse.Namespace) -> tuple[str, str]:
     url = args.url or os.environ.get("RUNSTATE_URL")
     key = args.api_key or os.environ.get("RUNSTATE_API_KEY")
     if not url:
         raise ConfigError("no server URL: set RUNSTATE_URL (e.g. http://127.0.0.1:8000) or pass --url")
     if not key:
         raise ConfigError("no API key: set RUNSTATE_API_KEY or pass --api-key")
-    return {"base_url": url, "api_key": key}
+    return url, key
 
 
 # worker ---------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         summary = asyncio.run(_run_async(handler, scope_id, args, options))
     else:
         # A plain function gets the sync client's context (``ctx.signal`` is a ``threading.Event``).
-        with Runstate(**options) as rs:
+        with Runstate(*options) as rs:
             worker = rs.scope(scope_id).worker(
                 args.mailbox,
                 handler,
@@ -130,8 +131,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_async(handler: Any, scope_id: str, args: argparse.Namespace, options: dict[str, str]) -> Any:
-    async with AsyncRunstate(**options) as rs:
+async def _run_async(handler: Any, scope_id: str, args: argparse.Namespace, options: tuple[str, str]) -> Any:
+    async with AsyncRunstate(*options) as rs:
         worker = rs.scope(scope_id).worker(
             args.mailbox,
             handler,
@@ -143,17 +144,17 @@ async def _run_async(handler: Any, scope_id: str, args: argparse.Namespace, opti
         return await worker.run()
 
 
-def _run_queue(handler: Any, scope_id: str, args: argparse.Namespace, options: dict[str, str]) -> Any:
+def _run_queue(handler: Any, scope_id: str, args: argparse.Namespace, options: tuple[str, str]) -> Any:
     """Run the message loop of a QUEUE mailbox (``consume_messages``)."""
     if is_async_callable(handler):
 
         async def main() -> Any:
-            async with AsyncRunstate(**options) as rs:
+            async with AsyncRunstate(*options) as rs:
                 scope: Any = rs.scope(scope_id)
                 return await scope.consume_messages(args.mailbox, handler, concurrency=args.concurrency)
 
         return asyncio.run(main())
-    with Runstate(**options) as rs:
+    with Runstate(*options) as rs:
         scope: Any = rs.scope(scope_id)
         return scope.consume_messages(args.mailbox, handler, concurrency=args.concurrency)
 
@@ -239,7 +240,7 @@ def _print_tree(node: JsonDict, prefix: str = "", last: bool = True, root: bool 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the run with its child runs and groups (a tree, or JSON with ``--json``)."""
-    with Runstate(**_client_options(args)) as rs:
+    with Runstate(*_client_options(args)) as rs:
         run = rs.scope(args.run_id).status()
         tree = _run_tree(rs, run, args.depth)
     if args.json:
@@ -251,7 +252,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel the run and print its state."""
-    with Runstate(**_client_options(args)) as rs:
+    with Runstate(*_client_options(args)) as rs:
         run = rs.scope(args.run_id).cancel(reason=args.reason)
     print(f"run {run['id']}  {_state_of(run)}")
     return 0

@@ -2,7 +2,7 @@
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runstate._async.http import AsyncHttp
 from runstate._batch import (
@@ -17,6 +17,9 @@ from runstate._batch import (
 )
 from runstate._config import JsonDict, compact, parse_time, segment
 from runstate._errors import RunstateError
+
+if TYPE_CHECKING:
+    from runstate._async.hold import AsyncHold
 
 # Task states after which nothing changes (DESIGN.md "Tasks and claims").
 TASK_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
@@ -118,6 +121,19 @@ class AsyncClaim:
         """Hand the task back to the queue (allowed after the run was cancelled too)."""
         task: JsonDict = await self._http.request("POST", f"/claims/{segment(self.id)}/release", idempotent=True)
         return task
+
+    def hold(self, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> "AsyncHold":
+        """Work on this claim by hand: ``async with claim.hold() as ctx:`` renews it in the background.
+
+        ``ctx`` is a handler's context (``signal``, ``is_cancellation_requested()``,
+        ``wait_cancelled()``; ``cancel_on_request()`` in async contexts only) plus ``complete(value)`` and
+        ``release()``. The block's end is recorded as ``consume`` records a handler's: see
+        ``AsyncHold`` for the rules (a normal end completes with ``None`` unless
+        ``ctx.complete`` gave a value; an exception is recorded as a failure and re-raised).
+        """
+        from runstate._async.hold import AsyncHold  # the holder imports this module
+
+        return AsyncHold(self, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
 
 
 def claim_id_of(claim: AsyncClaim | str) -> str:

@@ -147,3 +147,36 @@ def test_cancel_cancels_the_run_and_prints_api_errors_as_code_and_message(sdk):
     code, out, err = run_command("status", "no-such-run")
     assert code == 1
     assert err.startswith("NOT_FOUND: ")
+
+
+def test_a_worker_on_a_missing_mailbox_prints_the_refusal_and_exits_1(sdk):
+    with Runstate() as rs:
+        run = rs.scopes.create()
+    code, _, err = run_command(
+        "worker", "tests.sdk.cli_handlers:echo", "--mailbox", "no-such-mailbox", "--scope", run.id
+    )
+    assert code == 1
+    assert err.splitlines()[-1].startswith("NOT_FOUND: ")
+
+
+def test_a_worker_whose_run_is_cancelled_stops_with_status_0(sdk):
+    run_id, _ = prepare("cli-run-cancelled", inputs=())
+    process = command(
+        "worker",
+        "tests.sdk.cli_handlers:echo",
+        "--mailbox",
+        "cli-run-cancelled",
+        "--scope",
+        run_id,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        with Runstate() as rs:
+            rs.scope(run_id).cancel(reason="done here")
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    assert "stop_reason='SCOPE_CANCELLED'" in err

@@ -1,0 +1,54 @@
+"""``async with claim.hold() as ctx``: work on a claim by hand, renewed in the background.
+
+Written by hand (not generated): the sync twin in ``runstate/_sync/hold.py`` runs the same
+holder on an event loop in a thread of its own. Both use the consume engine's renewer and
+record methods (``runstate._worker.Holder``), so a held claim ends as ``consume`` would end
+it for one task.
+"""
+
+from typing import TYPE_CHECKING
+
+from runstate._worker import AsyncHoldContext, Holder
+
+if TYPE_CHECKING:
+    from runstate._async.work import AsyncClaim
+
+__all__ = ["AsyncHold", "AsyncHoldContext"]
+
+
+class AsyncHold:
+    """The async context manager ``claim.hold()`` returns.
+
+    On entry the lease starts being renewed every ``renew_fraction`` of its TTL (``lease_ttl_ms``,
+    else the mailbox's: pass the TTL you claimed with). ``ctx.signal`` is set when cancellation
+    is requested, the lease is lost or the run is refused; the block is not cancelled by that
+    (wrap its I/O in ``async with ctx.cancel_on_request():`` to abort it). On exit:
+
+    - the block ended normally: the task is completed with ``ctx.complete(value)``'s value, or
+      ``None`` (``CANCELLED`` rather than ``SUCCEEDED`` if cancellation was requested);
+    - ``ctx.release()`` was called: the task goes back to the queue (if cancellation was
+      requested it is completed instead, which acknowledges the request);
+    - the block raised: the failure is recorded as ``consume`` records one (retried while
+      attempts remain) and the exception propagates; ``CancellationRequested`` escaping the
+      block acknowledges the request (the task ends ``CANCELLED``) and propagates too;
+    - the block was cancelled from outside: the task is released and ``CancelledError`` propagates;
+    - the service refused the record (lease lost, run inactive): the refusal
+      (``LeaseLostError``, ``ScopeCancelledError``...) is raised from the ``async with``.
+    """
+
+    def __init__(self, claim: "AsyncClaim", *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> None:
+        self.claim = claim
+        self.ctx = AsyncHoldContext(claim)
+        self._holder = Holder(claim._http, claim, self.ctx, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.claim.id}>"
+
+    async def __aenter__(self) -> AsyncHoldContext:
+        await self._holder.enter()
+        return self.ctx
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        refusal = await self._holder.exit(exc)
+        if exc is None and refusal is not None:
+            raise refusal
