@@ -86,12 +86,12 @@ def test_review_swarm_runstate_workers_draft_and_exit_once_the_group_decides(tmp
         assert len(written) >= 5
         everything = "\n".join(worker_logs)
         for task_id in written:
-            assert re.search(rf"task {task_id} attempt 1: returned -> SUCCEEDED", everything), (task_id, everything)
+            assert re.search(rf"task {task_id} attempt \d+: returned -> SUCCEEDED", everything), (task_id, everything)
         # The drafts being written when the group decided: each worker noticed (the claim was lost,
         # or the result arrived too late), and a handler that stopped early was one of them.
         mid_run = {str(m.task.id) for m in members if m.task.state == "CANCELLED" and m.task.started_at}
         for task_id in mid_run:
-            assert re.search(rf"task {task_id}(: claim lost| attempt 1: result not recorded)", everything), everything
+            assert re.search(rf"task {task_id}(: claim lost| attempt \d+: result not recorded)", everything), everything
         stopped = set(re.findall(r"draft (\S+) \(angle \d+\) stopped after", everything))
         assert stopped <= mid_run, (stopped, mid_run)
         assert f"{len(mid_run)} drafts mid-run" in printed, printed
