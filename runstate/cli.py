@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from runstate._async.client import AsyncRunstate
-from runstate._async.runs import AsyncScope
 from runstate._config import JsonDict
 from runstate._errors import RunstateError
 from runstate._sync.client import Runstate
@@ -102,8 +101,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.grace_s < 0:
         raise ConfigError("--grace-s must be >= 0")
     options = _client_options(args)
-    if args.queue and not hasattr(AsyncScope, "consume_messages"):
-        raise ConfigError("--queue needs an SDK with scope.consume_messages (not in this version)")
     kind = "queue" if args.queue else "work"
     logger.info(
         "worker %s on run %s, %s mailbox %r, concurrency %d (pid %d)",
@@ -148,18 +145,24 @@ async def _run_async(handler: Any, scope_id: str, args: argparse.Namespace, opti
 
 
 def _run_queue(handler: Any, scope_id: str, args: argparse.Namespace, options: tuple[str, str]) -> Any:
-    """Run the message loop of a QUEUE mailbox (``consume_messages``)."""
+    """Run the message loop of a QUEUE mailbox (``consume_messages``), stopped as the task loop is."""
     if is_async_callable(handler):
 
         async def main() -> Any:
             async with AsyncRunstate(*options) as rs:
-                scope: Any = rs.scope(scope_id)
-                return await scope.consume_messages(args.mailbox, handler, concurrency=args.concurrency)
+                worker = rs.scope(scope_id).message_worker(
+                    args.mailbox, handler, concurrency=args.concurrency, drain_timeout=args.grace_s
+                )
+                _stop_on_sigint(worker.stop)
+                return await worker.run()
 
         return asyncio.run(main())
     with Runstate(*options) as rs:
-        scope: Any = rs.scope(scope_id)
-        return scope.consume_messages(args.mailbox, handler, concurrency=args.concurrency)
+        worker = rs.scope(scope_id).message_worker(
+            args.mailbox, handler, concurrency=args.concurrency, drain_timeout=args.grace_s
+        )
+        _stop_on_sigint(worker.stop)
+        return worker.run()
 
 
 # status / cancel ------------------------------------------------------------------------

@@ -38,3 +38,15 @@ class Namespace:
 
 
 not_callable = 42
+
+
+def message_echo(ctx):
+    print(f"received {ctx.body['n']} attempt {ctx.attempt}", flush=True)
+
+
+async def message_reject_odd(ctx):
+    from runstate import Reject
+
+    print(f"received {ctx.body['n']} attempt {ctx.attempt}", flush=True)
+    if ctx.body["n"] % 2:
+        raise Reject("odd")

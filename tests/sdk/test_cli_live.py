@@ -180,3 +180,36 @@ def test_a_worker_whose_run_is_cancelled_stops_with_status_0(sdk):
             process.wait()
     assert process.returncode == 0, err
     assert "stop_reason='SCOPE_CANCELLED'" in err
+
+
+@pytest.mark.parametrize(
+    ("handler", "states"),
+    [("message_echo", ["COMPLETED"] * 3), ("message_reject_odd", ["COMPLETED", "DEAD_LETTERED", "COMPLETED"])],
+)
+def test_the_queue_worker_runs_the_message_loop_and_stops_on_sigterm(sdk, handler, states):
+    mailbox = f"cli-queue-{handler.replace('_', '-')}"
+    with Runstate() as rs:
+        rs.mailboxes.ensure(mailbox, mode="QUEUE")
+        run = rs.scopes.create(name=mailbox)
+        sent = [run.messages.send(mailbox, {"n": n}) for n in (0, 1, 2)]
+    process = command(
+        "worker",
+        f"tests.sdk.cli_handlers:{handler}",
+        "--mailbox",
+        mailbox,
+        "--scope",
+        run.id,
+        "--queue",
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        received = {read_line(process) for _ in sent}
+    finally:
+        code, err = stop(process)
+    assert received == {f"received {n} attempt 1" for n in (0, 1, 2)}
+    assert code == 0, err
+    with Runstate() as rs:
+        scope = rs.scope(run.id)
+        assert [scope.messages.retrieve(message["id"])["state"] for message in sent] == states
+    rejected = states.count("DEAD_LETTERED")
+    assert f"worker stopped: MessageSummary(completed={3 - rejected}, retried=0, rejected={rejected}" in err
