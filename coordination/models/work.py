@@ -75,6 +75,11 @@ class Task(models.Model):
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_grace_until = models.DateTimeField(null=True, blank=True)
     cancel_reason = models.TextField(null=True, blank=True)  # noqa: DJ001 - null: none given
+    # The finished task this one reruns (``POST /v1/tasks/{id}/rerun``); null unless a rerun.
+    # Indexed by task_rerun_of, only where set: most tasks are no rerun.
+    rerun_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="reruns", db_index=False
+    )
 
     class Meta:
         ordering = ["created_at", "id"]
@@ -100,6 +105,7 @@ class Task(models.Model):
             models.Index(fields=["project", "state"], name="task_project_state"),
             models.Index(fields=["run", "created_at"], name="task_run_created"),
             models.Index(fields=["group"], condition=Q(group__isnull=False), name="task_group_member"),
+            models.Index(fields=["rerun_of"], condition=Q(rerun_of__isnull=False), name="task_rerun_of"),
         ]
 
     def __str__(self) -> str:
