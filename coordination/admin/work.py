@@ -29,6 +29,7 @@ from coordination.services.tasks import task_cancel
 from coordination.states import TASK_HELD, MailboxMode, MessageState, TaskState
 
 from .base import ServiceBackedAdmin, change_link, changelist_url, count_of, parse_uuid
+from .reruns import rerun_selected
 
 # The states a mailbox's depth counts, per mode: what waits (first), what is held, what needs a look.
 DEPTH_STATES = {
@@ -261,9 +262,9 @@ class TaskAdmin(ServiceBackedAdmin):
     search_help_text = "A task id or a key (exact match)."
     ordering = ("-created_at", "-id")
     show_full_result_count = False
-    actions = ("cancel_selected", "release_selected")
+    actions = ("cancel_selected", "release_selected", rerun_selected)
     fieldsets = (
-        (None, {"fields": ("id", "project", "mailbox", "run_link", "key", "priority", "created_at")}),
+        (None, {"fields": ("id", "project", "mailbox", "run_link", "key", "priority", "created_at", "rerun_of")}),
         ("Input and result", {"fields": ("input", "outcome", "error")}),
         (
             "State",
