@@ -1,4 +1,8 @@
-"""Task.rerun_of: the finished task a rerun submits again (``POST /v1/tasks/{id}/rerun``)."""
+"""Task.rerun_of: the finished task a rerun submits again (``POST /v1/tasks/{id}/rerun``).
+
+Task.last_renewed_at: when the current lease was granted or last extended, so that the
+dashboard and metrics can tell a cancellation that is stuck behind a renewing worker.
+"""
 
 import django.db.models.deletion
 from django.db import migrations, models
@@ -21,6 +25,11 @@ class Migration(migrations.Migration):
                 related_name="reruns",
                 to="coordination.task",
             ),
+        ),
+        migrations.AddField(
+            model_name="task",
+            name="last_renewed_at",
+            field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddIndex(
             model_name="task",

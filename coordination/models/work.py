@@ -72,6 +72,9 @@ class Task(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     worker_id = models.CharField(max_length=200, blank=True, default="")
     lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # When the current lease was granted or last extended (claim or renew); with
+    # lease_expires_at it gives the claim's TTL, which a claim or renew may choose.
+    last_renewed_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_grace_until = models.DateTimeField(null=True, blank=True)
     cancel_reason = models.TextField(null=True, blank=True)  # noqa: DJ001 - null: none given
