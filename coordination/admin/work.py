@@ -2,7 +2,8 @@
 
 Mailboxes are ensured through the API; here only their two plain settings are edited. Tasks
 and messages are read-only: the task actions call ``task_cancel`` and ``claim_release``,
-the only writers of ``Task.state``, and nothing here writes ``Message.state``.
+the only writers of ``Task.state``, and ``task_rerun`` (``reruns.py``), a submit; nothing
+here writes ``Message.state``.
 """
 
 import uuid
@@ -280,7 +281,7 @@ class TaskAdmin(ServiceBackedAdmin):
                 )
             },
         ),
-        ("Claim", {"fields": ("current_claim", "worker_id", "lease_expires_at")}),
+        ("Claim", {"fields": ("current_claim", "worker_id", "last_renewed_at", "lease_expires_at")}),
         ("Cancellation", {"fields": ("cancel_requested_at", "cancel_grace_until", "cancel_reason")}),
     )
     readonly_fields = tuple(name for _, options in fieldsets for name in options["fields"])
