@@ -7,10 +7,10 @@ Three sources, chosen so that every API process answers a scrape with the same f
   start), prometheus-client's multiprocess mode adds up the processes of one machine;
   without it each process reports its own requests.
 - **State** (runs, tasks, messages, groups, barriers and timers by state; queue depth and
-  oldest queued age per mailbox; held leases; sweep lag; group decisions by outcome and
-  reason) is read from the database at scrape time: the database is the source of truth,
-  so any process reports the same numbers. Groups are never deleted, so their decision
-  count is a true counter.
+  oldest queued age per mailbox; cancellation requests waiting and stuck per mailbox; held
+  leases; sweep lag; group decisions by outcome and reason) is read from the database at
+  scrape time: the database is the source of truth, so any process reports the same
+  numbers. Groups are never deleted, so their decision count is a true counter.
 - **History** that no row keeps (tasks finished, lease expiries, claim latency, timer
   lateness) is folded from the event log: each process reads the events after its own
   cursor (one per project) at every scrape and adds them to its counters. A process starts
