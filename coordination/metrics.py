@@ -7,10 +7,10 @@ Three sources, chosen so that every API process answers a scrape with the same f
   start), prometheus-client's multiprocess mode adds up the processes of one machine;
   without it each process reports its own requests.
 - **State** (runs, tasks, messages, groups, barriers and timers by state; queue depth and
-  oldest queued age per mailbox; held leases; sweep lag; group decisions by outcome and
-  reason) is read from the database at scrape time: the database is the source of truth,
-  so any process reports the same numbers. Groups are never deleted, so their decision
-  count is a true counter.
+  oldest queued age per mailbox; cancellation requests waiting and stuck per mailbox; held
+  leases; sweep lag; group decisions by outcome and reason) is read from the database at
+  scrape time: the database is the source of truth, so any process reports the same
+  numbers. Groups are never deleted, so their decision count is a true counter.
 - **History** that no row keeps (tasks finished, lease expiries, claim latency, timer
   lateness) is folded from the event log: each process reads the events after its own
   cursor (one per project) at every scrape and adds them to its counters. A process starts
@@ -37,11 +37,13 @@ from coordination.states import (
     TASK_HELD,
     BarrierState,
     GroupState,
+    MailboxMode,
     MessageState,
     RunState,
     TaskState,
     TimerState,
 )
+from coordination.stuck_cancellations import cancellations_by_mailbox
 from coordination.task_errors import error_code
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -157,6 +159,27 @@ def _mailbox_families(now: datetime) -> list:
     return [depth, oldest]
 
 
+def _cancellation_families(now: datetime) -> list:
+    oldest = GaugeMetricFamily(
+        "runstate_cancellation_requested_oldest_seconds",
+        "Age of the oldest task still CANCELLATION_REQUESTED per WORK mailbox (0 when none).",
+        labels=["project", "mailbox"],
+    )
+    stuck = GaugeMetricFamily(
+        "runstate_cancellation_stuck_tasks",
+        "Tasks still CANCELLATION_REQUESTED longer than their claim's lease TTL, per WORK mailbox "
+        "(see docs/operations.md, Stuck cancellations).",
+        labels=["project", "mailbox"],
+    )
+    found = cancellations_by_mailbox(now)
+    mailboxes = Mailbox.objects.filter(mode=MailboxMode.WORK).order_by("project__name", "name")
+    for mailbox_id, project_name, name in mailboxes.values_list("id", "project__name", "name"):
+        entry = found.get(mailbox_id)
+        oldest.add_metric([project_name, name], _age_s(entry.oldest_requested_at if entry else None, now))
+        stuck.add_metric([project_name, name], entry.stuck if entry else 0)
+    return [oldest, stuck]
+
+
 class DatabaseCollector:
     """Gauges (and the group decision counter) read from the database at each scrape."""
 
@@ -174,6 +197,7 @@ class DatabaseCollector:
             value=Task.objects.filter(state__in=TASK_HELD).count(),
         )
         yield from _mailbox_families(now)
+        yield from _cancellation_families(now)
         decisions = CounterMetricFamily(
             "runstate_group_decisions", "Groups finalized, by outcome and reason.", labels=["outcome", "reason"]
         )

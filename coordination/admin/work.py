@@ -2,7 +2,8 @@
 
 Mailboxes are ensured through the API; here only their two plain settings are edited. Tasks
 and messages are read-only: the task actions call ``task_cancel`` and ``claim_release``,
-the only writers of ``Task.state``, and nothing here writes ``Message.state``.
+the only writers of ``Task.state``, and ``task_rerun`` (``reruns.py``), a submit; nothing
+here writes ``Message.state``.
 """
 
 import uuid
@@ -29,6 +30,7 @@ from coordination.services.tasks import task_cancel
 from coordination.states import TASK_HELD, MailboxMode, MessageState, TaskState
 
 from .base import ServiceBackedAdmin, change_link, changelist_url, count_of, parse_uuid
+from .reruns import rerun_selected
 
 # The states a mailbox's depth counts, per mode: what waits (first), what is held, what needs a look.
 DEPTH_STATES = {
@@ -261,9 +263,9 @@ class TaskAdmin(ServiceBackedAdmin):
     search_help_text = "A task id or a key (exact match)."
     ordering = ("-created_at", "-id")
     show_full_result_count = False
-    actions = ("cancel_selected", "release_selected")
+    actions = ("cancel_selected", "release_selected", rerun_selected)
     fieldsets = (
-        (None, {"fields": ("id", "project", "mailbox", "run_link", "key", "priority", "created_at")}),
+        (None, {"fields": ("id", "project", "mailbox", "run_link", "key", "priority", "created_at", "rerun_of")}),
         ("Input and result", {"fields": ("input", "outcome", "error")}),
         (
             "State",
@@ -279,7 +281,7 @@ class TaskAdmin(ServiceBackedAdmin):
                 )
             },
         ),
-        ("Claim", {"fields": ("current_claim", "worker_id", "lease_expires_at")}),
+        ("Claim", {"fields": ("current_claim", "worker_id", "last_renewed_at", "lease_expires_at")}),
         ("Cancellation", {"fields": ("cancel_requested_at", "cancel_grace_until", "cancel_reason")}),
     )
     readonly_fields = tuple(name for _, options in fieldsets for name in options["fields"])

@@ -87,6 +87,7 @@ def present_task(task: Task, mailbox_name: str | None = None) -> dict:
         "cancelReason": task.cancel_reason,
         "workerId": task.worker_id or None,
         "leaseExpiresAt": iso(task.lease_expires_at),
+        "rerunOf": str(task.rerun_of_id) if task.rerun_of_id else None,
     }
 
 

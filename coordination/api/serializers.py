@@ -281,6 +281,7 @@ class TaskOut(serializers.Serializer):
     cancelReason = serializers.CharField(allow_null=True)
     workerId = serializers.CharField(allow_null=True)
     leaseExpiresAt = serializers.DateTimeField(allow_null=True)
+    rerunOf = serializers.CharField(allow_null=True, help_text="The task this one reruns; null unless a rerun.")
 
 
 class TaskCancelIn(StrictSerializer):
@@ -288,6 +289,13 @@ class TaskCancelIn(StrictSerializer):
 
     reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
     graceMs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=86_400_000)
+
+
+class TaskRerunIn(StrictSerializer):
+    """Body of ``POST /v1/tasks/{id}/rerun``: without ``input``, the old task's input is used."""
+
+    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+    input = PayloadField(required=False)
 
 
 class WaitQuery(serializers.Serializer):

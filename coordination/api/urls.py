@@ -25,6 +25,7 @@ urlpatterns = [
     path("tasks/<str:task_id>", work.TaskDetailView.as_view(), name="task-detail"),
     path("tasks/<str:task_id>/result", work.TaskResultView.as_view(), name="task-result"),
     path("tasks/<str:task_id>/cancel", work.TaskCancelView.as_view(), name="task-cancel"),
+    path("tasks/<str:task_id>/rerun", work.TaskRerunView.as_view(), name="task-rerun"),
     path("claims/complete", work.ClaimBatchCompleteView.as_view(), name="claims-complete"),
     path("claims/renew", work.ClaimBatchRenewView.as_view(), name="claims-renew"),
     path("claims/<str:claim_id>/renew", work.ClaimRenewView.as_view(), name="claim-renew"),

@@ -28,8 +28,9 @@ from coordination.dashboard import selectors
 from coordination.dashboard.charts import stacked_bars
 from coordination.models import Event, Project, Task
 from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
+from coordination.stuck_cancellations import stuck_cancellations
 
-PANELS = ("counts", "queues", "leases", "groups", "charts", "tree")
+PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck")
 THROUGHPUT_COLORS = {"succeeded": "#2e7d32", "failed": "#c62828", "cancelled": "#f9a825", "expired": "#6d4c41"}
 DECISION_COLORS = {"SUCCESS": "#2e7d32", "FAILURE": "#c62828"}
 # Events the stream reads per project per round trip.
@@ -107,6 +108,23 @@ def _worker_rows(project: Project | None, now) -> list[dict]:
     ]
 
 
+def _stuck_rows(project: Project | None, now) -> list[dict]:
+    return [
+        {
+            "stuck": stuck,
+            "url": change_url(stuck.task),
+            "requested_s": (now - stuck.task.cancel_requested_at).total_seconds(),
+            "renewed_s": None
+            if stuck.task.last_renewed_at is None
+            else (now - stuck.task.last_renewed_at).total_seconds(),
+            "expiry_s": None
+            if stuck.task.lease_expires_at is None
+            else (stuck.task.lease_expires_at - now).total_seconds(),
+        }
+        for stuck in stuck_cancellations(now, project.id if project else None, limit=selectors.ROWS)
+    ]
+
+
 def _panel_context(request) -> dict:
     project = _project(request)
     project_id = project.id if project else None
@@ -136,6 +154,7 @@ def _panel_context(request) -> dict:
             caption=f"{sum(sum(v) for v in decided.values.values()):.0f} groups decided in the last hour",
         ),
         "tree": selectors.run_tree(project_id, _expanded(request)),
+        "stuck": _stuck_rows(project, now),
     }
 
 

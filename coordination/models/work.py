@@ -72,9 +72,17 @@ class Task(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     worker_id = models.CharField(max_length=200, blank=True, default="")
     lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # When the current lease was granted or last extended (claim or renew); with
+    # lease_expires_at it gives the claim's TTL, which a claim or renew may choose.
+    last_renewed_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_grace_until = models.DateTimeField(null=True, blank=True)
     cancel_reason = models.TextField(null=True, blank=True)  # noqa: DJ001 - null: none given
+    # The finished task this one reruns (``POST /v1/tasks/{id}/rerun``); null unless a rerun.
+    # Indexed by task_rerun_of, only where set: most tasks are no rerun.
+    rerun_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="reruns", db_index=False
+    )
 
     class Meta:
         ordering = ["created_at", "id"]
@@ -100,6 +108,7 @@ class Task(models.Model):
             models.Index(fields=["project", "state"], name="task_project_state"),
             models.Index(fields=["run", "created_at"], name="task_run_created"),
             models.Index(fields=["group"], condition=Q(group__isnull=False), name="task_group_member"),
+            models.Index(fields=["rerun_of"], condition=Q(rerun_of__isnull=False), name="task_rerun_of"),
         ]
 
     def __str__(self) -> str:

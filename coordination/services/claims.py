@@ -117,7 +117,7 @@ WITH {CHAIN_KEY_SHARE_CTE}, gate AS (
     FOR UPDATE SKIP LOCKED
 ), done AS (
     UPDATE coordination_task t
-    SET state = 'RUNNING', attempts = t.attempts + 1, lease_expires_at = %(lease_until)s,
+    SET state = 'RUNNING', attempts = t.attempts + 1, lease_expires_at = %(lease_until)s, last_renewed_at = %(now)s,
         worker_id = %(worker_id)s, started_at = coalesce(t.started_at, %(now)s)
     FROM picked WHERE t.id = picked.id
     RETURNING t.*
@@ -156,7 +156,7 @@ WITH target AS MATERIALIZED (
     UPDATE coordination_task t
     SET state = 'RUNNING', attempts = t.attempts + 1,
         lease_expires_at = %(now)s + coalesce(%(lease_ttl_ms)s, m.lease_ttl_ms) * interval '1 millisecond',
-        worker_id = %(worker_id)s, started_at = coalesce(t.started_at, %(now)s)
+        last_renewed_at = %(now)s, worker_id = %(worker_id)s, started_at = coalesce(t.started_at, %(now)s)
     FROM target, coordination_mailbox m
     WHERE t.ctid = target.ctid AND t.id = target.id AND m.id = target.mailbox_id
       AND target.project_id = %(project_id)s  -- a task's project and mailbox never change
@@ -177,7 +177,8 @@ SELECT {_TASK} FROM done
 RENEW_SQL = f"""
 WITH done AS (
     UPDATE coordination_task t
-    SET lease_expires_at = %(now)s + coalesce(%(lease_ttl_ms)s, m.lease_ttl_ms) * interval '1 millisecond'
+    SET lease_expires_at = %(now)s + coalesce(%(lease_ttl_ms)s, m.lease_ttl_ms) * interval '1 millisecond',
+        last_renewed_at = %(now)s
     FROM coordination_mailbox m
     WHERE m.id = t.mailbox_id AND {_FENCE}
     RETURNING t.*
@@ -362,6 +363,7 @@ def _task_claim_careful(
             state=TaskState.RUNNING,
             attempts=F("attempts") + 1,
             lease_expires_at=lease_until,
+            last_renewed_at=now,
             worker_id=worker_id,
             started_at=Coalesce(F("started_at"), now),
         )
@@ -370,6 +372,7 @@ def _task_claim_careful(
         task.state = TaskState.RUNNING
         task.attempts += 1
         task.lease_expires_at = lease_until
+        task.last_renewed_at = now
         task.worker_id = worker_id
         task.started_at = task.started_at or now
         claims.append(Claim(task, task.attempts, lease_until))
@@ -493,9 +496,10 @@ def _task_claim_by_id_careful(
         task.state = TaskState.RUNNING
         task.attempts += 1
         task.lease_expires_at = now + timedelta(milliseconds=lease_ttl_ms or task.mailbox.lease_ttl_ms)
+        task.last_renewed_at = now
         task.worker_id = worker_id
         task.started_at = task.started_at or now
-        task.save(update_fields=["state", "attempts", "lease_expires_at", "worker_id", "started_at"])
+        task.save(update_fields=["state", "attempts", "lease_expires_at", "last_renewed_at", "worker_id", "started_at"])
         events.append(event_for(task, "task.claimed", attempt=task.attempts, workerId=worker_id))
         claim = Claim(task, task.attempts, task.lease_expires_at, lease_ttl_ms or task.mailbox.lease_ttl_ms)
     events_record_many(events)
@@ -537,7 +541,8 @@ SELECT {_TASK} FROM done
 RENEW_MANY_SQL = f"""
 WITH {_BATCH_ITEMS}, done AS (
     UPDATE coordination_task t
-    SET lease_expires_at = %(now)s + coalesce(i.value::int, m.lease_ttl_ms) * interval '1 millisecond'
+    SET lease_expires_at = %(now)s + coalesce(i.value::int, m.lease_ttl_ms) * interval '1 millisecond',
+        last_renewed_at = %(now)s
     FROM items i, coordination_mailbox m
     WHERE t.id = i.task_id AND t.attempts = i.attempt AND m.id = t.mailbox_id AND t.id IN (SELECT id FROM locked)
     RETURNING t.*
@@ -671,7 +676,8 @@ def _claim_renew_careful(*, project_id: uuid.UUID, claim_id: str, lease_ttl_ms: 
     now = timezone.now()
     task, _ = _locked_claim(project_id, claim_id, now=now)
     task.lease_expires_at = now + timedelta(milliseconds=lease_ttl_ms or task.mailbox.lease_ttl_ms)
-    task.save(update_fields=["lease_expires_at"])
+    task.last_renewed_at = now
+    task.save(update_fields=["lease_expires_at", "last_renewed_at"])
     return Claim(task, task.attempts, task.lease_expires_at)
 
 

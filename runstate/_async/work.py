@@ -68,6 +68,19 @@ class AsyncTicket:
         )
         return self.data
 
+    async def rerun(self, *, key: str | None = None, input: Any = None) -> "AsyncTicket":
+        """Submit this finished task again, as a new task in its mailbox and run; return the new ticket.
+
+        The new task has this one's input unless another ``input`` is given (not ``None``), and
+        its ``rerunOf`` is this task. With ``key`` the rerun is idempotent (the same key and input answer the
+        same rerun) and is retried on transport errors; without one it is sent once.
+        """
+        body = compact(key=key, input=input)
+        task: JsonDict = await self._http.request(
+            "POST", f"/tasks/{segment(self.id)}/rerun", idempotent=key is not None, json=body
+        )
+        return AsyncTicket(self._http, task["id"], task)
+
 
 class AsyncClaim:
     """A claimed task under a lease; every operation is fenced by the claim's ``attempt``."""

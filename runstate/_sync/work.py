@@ -69,6 +69,19 @@ class Ticket:
         )
         return self.data
 
+    def rerun(self, *, key: str | None = None, input: Any = None) -> "Ticket":
+        """Submit this finished task again, as a new task in its mailbox and run; return the new ticket.
+
+        The new task has this one's input unless another ``input`` is given (not ``None``), and
+        its ``rerunOf`` is this task. With ``key`` the rerun is idempotent (the same key and input answer the
+        same rerun) and is retried on transport errors; without one it is sent once.
+        """
+        body = compact(key=key, input=input)
+        task: JsonDict = self._http.request(
+            "POST", f"/tasks/{segment(self.id)}/rerun", idempotent=key is not None, json=body
+        )
+        return Ticket(self._http, task["id"], task)
+
 
 class Claim:
     """A claimed task under a lease; every operation is fenced by the claim's ``attempt``."""

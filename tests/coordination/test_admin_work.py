@@ -15,7 +15,7 @@ from coordination.admin import work as work_admin
 from coordination.models import Event, Mailbox, Message, Task
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.mailboxes import mailbox_ensure
-from coordination.services.runs import run_create
+from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_cancel, task_submit
 from coordination.states import MailboxMode, MessageState, TaskState
 
@@ -383,3 +383,52 @@ def test_message_admin_lists_and_shows_deliveries_read_only(admin_client, projec
     assert admin_client.get(reverse("admin:coordination_message_add")).status_code == 403
     assert admin_client.get(reverse("admin:coordination_message_delete", args=[dead.pk])).status_code == 403
     assert Message.objects.get(id=dead.id).state == MessageState.DEAD_LETTERED
+
+
+def test_rerun_action_reruns_finished_tasks_and_says_why_others_were_refused(admin_client, project, submit, claim):
+    submit()
+    claimed = claim()
+    done = claim_complete(project_id=project.id, claim_id=claimed.claim_id, outcome={})
+    queued = submit()
+
+    response = post_action(admin_client, TASKS, "rerun_selected", [done, queued])
+
+    [rerun] = Task.objects.filter(rerun_of=done)
+    assert (rerun.state, rerun.mailbox_id, rerun.run_id, rerun.input) == (
+        TaskState.QUEUED,
+        done.mailbox_id,
+        done.run_id,
+        done.input,
+    )
+    assert not Task.objects.filter(rerun_of=queued).exists()
+    queued = Task.objects.get(id=queued.id)
+    assert messages_of(response) == [
+        (
+            messages.SUCCESS,
+            f"Rerun 1 task (each as a new queued task in the same mailbox and run): {Task.objects.get(id=done.id)} "
+            f"as {rerun.id}.",
+        ),
+        (messages.ERROR, f"Could not rerun 1 task: {queued}: INVALID_STATE (Only a finished task can be rerun.)."),
+    ]
+
+
+def test_rerun_action_under_a_cancelled_run_is_refused_with_its_code(admin_client, project, run, submit):
+    cancelled = task_cancel(project_id=project.id, task_id=submit().id)
+    run_cancel(project_id=project.id, run_id=run.id)
+
+    response = post_action(admin_client, TASKS, "rerun_selected", [cancelled])
+
+    assert not Task.objects.filter(rerun_of=cancelled).exists()
+    [(level, text)] = messages_of(response)
+    assert level == messages.ERROR and "SCOPE_CANCELLED" in text
+
+
+def test_task_page_links_a_rerun_to_its_source(admin_client, project, submit):
+    cancelled = task_cancel(project_id=project.id, task_id=submit().id)
+    post_action(admin_client, TASKS, "rerun_selected", [cancelled])
+    [rerun] = Task.objects.filter(rerun_of=cancelled)
+
+    response = admin_client.get(change_url(rerun))
+
+    assert response.status_code == 200
+    assert str(cancelled.id) in response.content.decode()

@@ -11,6 +11,7 @@ from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.services import claims as claim_services
 from coordination.services import tasks as task_services
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
+from coordination.services.reruns import task_rerun
 from coordination.states import TASK_TERMINAL, MailboxMode, Permission
 
 
@@ -167,6 +168,25 @@ class TaskCancelView(ApiView):
             project_id=self.project_id, task_id=task.id, reason=data.get("reason") or None, grace_ms=data.get("graceMs")
         )
         return Response(present_task(task))
+
+
+class TaskRerunView(ApiView):
+    """Rerun a finished task as a new task in the same mailbox and run."""
+
+    @extend_schema(
+        operation_id="tasks_rerun",
+        request=s.TaskRerunIn,
+        responses=with_errors({201: s.TaskOut, 200: OpenApiResponse(s.TaskOut, description="idempotent rerun")}),
+    )
+    def post(self, request, task_id):
+        """Submit the task again, with its input unless ``input`` is given; the same ``key`` answers the rerun (200)."""
+        data = self.body(s.TaskRerunIn)
+        old = selectors.task_get(self.visibility, task_id)
+        extra = {"input": data["input"]} if "input" in data else {}
+        task, created = task_rerun(project_id=self.project_id, task_id=old.id, key=data["key"], **extra)
+        if not created:
+            return Response(present_task(task))
+        return Response(present_task(task), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
 
 
 class ClaimCollectionView(AsyncApiView):

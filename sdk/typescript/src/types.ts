@@ -58,7 +58,8 @@ export interface TaskData {
   startedAt: string | null;
   finishedAt: string | null;
   cancelReason: string | null;
-  rerunOf?: string | null;
+  /** The task this one reruns (`ticket.rerun()`); null unless a rerun. */
+  rerunOf: string | null;
 }
 
 /** A member submit or join answers the task and the group's state after it. */

@@ -61,6 +61,21 @@ export class Ticket {
     this.data = task;
     return task;
   }
+
+  /**
+   * Submit this finished task again, as a new task in its mailbox and run; return the new ticket.
+   *
+   * The new task has this one's input unless `input` is given, and its `rerunOf` is this task.
+   * With `key` the rerun is idempotent (the same key and input answer the same rerun) and is
+   * retried on network errors; without one it is sent once.
+   */
+  async rerun(options: { key?: string; input?: unknown } = {}): Promise<Ticket> {
+    const task = await this.http.request<TaskData>('POST', `/tasks/${segment(this.id)}/rerun`, {
+      idempotent: options.key !== undefined,
+      body: compact({ key: options.key, input: options.input }),
+    });
+    return new Ticket(this.http, task.id, task);
+  }
 }
 
 /** A claimed task under a lease; every operation is fenced by the claim's `attempt`. */

@@ -213,6 +213,27 @@ describe('against the live service', { concurrency: true, timeout: 180_000 }, ()
     assert.equal(cancelled.state, 'CANCELLED');
   });
 
+  test('rerun submits a finished task again, idempotently by key', async () => {
+    const rs = new Runstate();
+    const mailbox = unique('rerun');
+    await rs.mailboxes.ensure(mailbox, { mode: 'WORK' });
+    const run = await rs.scopes.create();
+    const ticket = await run.tasks.submit(mailbox, { n: 1 });
+    const early = await ticket.rerun().catch((caught: unknown) => caught);
+    assert.ok(early instanceof ConflictError);
+    assert.equal(early.code, 'INVALID_STATE');
+    await ticket.cancel();
+    const again = await ticket.rerun();
+    assert.notEqual(again.id, ticket.id);
+    assert.equal(again.data?.rerunOf, ticket.id);
+    assert.deepEqual(again.data?.input, { n: 1 });
+    const fixed = await ticket.rerun({ key: 'fix', input: { n: 2 } });
+    assert.deepEqual(fixed.data?.input, { n: 2 });
+    assert.equal((await ticket.rerun({ key: 'fix', input: { n: 2 } })).id, fixed.id);
+    await run.cancel();
+    await assert.rejects(ticket.rerun(), ScopeCancelledError);
+  });
+
   test('submitMany, claim, renewMany and completeMany', async () => {
     const rs = new Runstate();
     const mailbox = unique('batch');

@@ -1,0 +1,71 @@
+"""Rerun: submit a finished task again, as a new task linked to the old one by ``rerun_of``.
+
+A rerun is a submit (``tasks.task_submit``), not a second way in: the new task goes to the
+old one's mailbox and run, and is refused exactly as a submit there would be (the run's
+code, ``GROUP_CLOSED`` through the group). What carries over from the old task: its input
+(unless a new one is given), ``priority`` and ``maxAttempts``. What does not: ``expiresAt``
+(a deadline for the old task's queueing, usually past), attempts, outcome, error and the
+cancel fields. The lease TTL is the mailbox's, so it is the same for both.
+"""
+
+import uuid
+
+from django.db import transaction
+
+from coordination import exceptions
+from coordination.models import Task
+from coordination.services.groups import group_join
+from coordination.services.tasks import task_submit
+from coordination.states import TASK_TERMINAL
+
+# ``input`` not given: rerun with the old task's input (``None`` is a valid JSON input).
+OLD_INPUT = object()
+
+
+@transaction.atomic
+def task_rerun(
+    *, project_id: uuid.UUID, task_id: uuid.UUID, key: str | None = None, input: object = OLD_INPUT
+) -> tuple[Task, bool]:
+    """Submit a finished task again; return the new task and whether it was created.
+
+    The old task must be terminal (``INVALID_STATE``). A ``key`` makes the rerun idempotent
+    like a submit's key: the same key and input answer the rerun made with them; a key
+    already used with another input, or by a task that is not a rerun of this one, is
+    ``KEY_CONFLICT``. A group member is rerun into the same group while it is open, counted
+    as a member joining then; a closed or finalized group answers ``GROUP_CLOSED``.
+    """
+    # No lock on the old task: a terminal task never changes state again, and its mailbox,
+    # run, input and group are fixed once it joined one, so this read stays true.
+    old = Task.objects.select_related("mailbox").filter(project_id=project_id, id=task_id).first()
+    if old is None:
+        raise exceptions.NotFound("Task not found.", taskId=str(task_id))
+    if old.state not in TASK_TERMINAL:
+        raise exceptions.InvalidState("Only a finished task can be rerun.", taskId=str(old.id), state=old.state)
+    new_input = old.input if input is OLD_INPUT else input
+    # The submit answers every refusal a submit there would get, in its order: the run's
+    # code first, then the group's (a member on its group's gate is submitted through the
+    # group, which locks the gate chain, then the group).
+    task, created = task_submit(
+        project_id=project_id,
+        mailbox=old.mailbox,
+        run_id=old.run_id,
+        input=new_input,
+        key=key,
+        priority=old.priority,
+        max_attempts=old.max_attempts,
+    )
+    if not created:
+        if task.rerun_of_id != old.id:
+            message = "The key is used by a task that is not a rerun of this one."
+            raise exceptions.KeyConflict(message, key=key, taskId=str(task.id))
+        return task, False
+    # The new task is not visible to anyone before we commit, so linking it here is atomic
+    # with its submit.
+    task.rerun_of = old
+    Task.objects.filter(id=task.id).update(rerun_of=old)
+    if old.group_id is not None and task.group_id != old.group_id:
+        # A member that joined from another run: the rerun joins the same group in this
+        # transaction (the group's lock comes after the task's run chain, as in a submit on
+        # a gate), or the whole rerun is refused (GROUP_CLOSED, GROUP_FULL).
+        task, _ = group_join(project_id=project_id, group_id=old.group_id, task_id=task.id)
+    return task, True
