@@ -112,6 +112,7 @@ def cases(a, b):
         ("runs_complete", "post", f"/v1/runs/{b['run']}/complete", {}),
         ("tasks_retrieve", "get", f"/v1/tasks/{b['task']}", None),
         ("tasks_cancel", "post", f"/v1/tasks/{b['task']}/cancel", {}),
+        ("tasks_rerun", "post", f"/v1/tasks/{b['task']}/rerun", {}),
         ("tasks_result", "get", f"/v1/tasks/{b['task']}/result?timeoutMs=0", None),
         ("timers_create", "post", "/v1/timers", {"runId": b["run"], "afterSeconds": 1}),
         ("timers_retrieve", "get", f"/v1/timers/{b['timer']}", None),
