@@ -203,12 +203,12 @@ def admission_request(
     """
     if key is not None and not 1 <= len(key) <= MAX_KEY_LENGTH:
         raise exceptions.ValidationFailed("Invalid key.", key=f"1 to {MAX_KEY_LENGTH} characters")
-    now = timezone.now()
-    if deadline is not None and deadline <= now:
+    if deadline is not None and deadline <= timezone.now():
         raise exceptions.ValidationFailed("Invalid admission.", deadline="must be in the future")
     chain = _lock_parent(run_id, project_id)
     parent = chain[-1]
     config = _config_lock(parent, create=True)
+    now = timezone.now()  # read under the lock: admission times follow the line's order
     if key is not None:
         # The parent's lock serializes requests of this parent: a key read here stays unused
         # until we commit.
@@ -314,7 +314,8 @@ def admissions_end_subtree(end: SubtreeEnd) -> None:
         config.admitted -= 1
         config.updated_at = now
         config.save(update_fields=["admitted", "updated_at"])
-        _admit_waiters(config, chain, now)
+        # The time read under the config lock: admission times follow the line's order.
+        _admit_waiters(config, chain, timezone.now())
     configs = list(
         AdmissionConfig.objects.filter(run_path__startswith=end.path_prefix)
         .exclude(waiting=0, admitted=0)
