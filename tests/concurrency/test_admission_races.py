@@ -230,3 +230,55 @@ def test_withdraws_racing_an_end_never_admit_a_withdrawn_waiter_30_rounds():
         else:
             holder = admission_request(project_id=project.id, run_id=parent.id).admission
             assert holder.state == "ADMITTED"
+
+
+def _cancel_race_round(project, parent, config):
+    def request():
+        try:
+            return admission_request(project_id=project.id, run_id=parent.id).admission.state
+        except exceptions.ScopeCancelled:
+            return "refused"
+
+    def end_first_admitted():
+        run_id = (
+            Admission.objects.filter(config_id=config.id, holds_slot=True)
+            .order_by("ticket")
+            .values_list("run_id", flat=True)
+            .first()
+        )
+        if run_id is None:
+            return "none"
+        try:
+            run_complete(run_id=run_id, project_id=project.id)
+        except exceptions.Conflict:
+            return "raced"
+        return "ended"
+
+    def cancel():
+        run_cancel(run_id=parent.id, project_id=project.id)
+        return "cancelled"
+
+    return run_in_threads([request] * 6 + [end_first_admitted] * 3 + [cancel])
+
+
+def test_a_parent_cancel_racing_requests_and_child_ends_leaves_no_waiter_and_no_late_child_15_rounds():
+    project = project_ensure(name="admissions")
+    for _ in range(15):
+        parent = run_create(project_id=project.id)
+        config, _ = admission_configure(project_id=project.id, run_id=parent.id, max_active=2)
+        for _ in range(4):
+            admission_request(project_id=project.id, run_id=parent.id)
+        results = _cancel_race_round(project, parent, config)
+        assert results[-1] == "cancelled"
+        config = _line_consistent(config.id)
+        assert (config.admitted, config.waiting) == (0, 0)
+        assert not Admission.objects.filter(config_id=config.id, state="WAITING").exists()
+        parent.refresh_from_db()
+        cancelled = Event.objects.get(type="run.cancelled", subject_id=str(parent.id))
+        children = Run.objects.filter(parent_id=parent.id)
+        # Every child was created before the cancel took the parent: none by the cancel itself
+        # (its waiters are cancelled, not admitted), none after.
+        assert not Event.objects.filter(type="run.created", txid=cancelled.txid, data__parentId=str(parent.id)).exists()
+        assert all(child.created_at <= parent.ended_at for child in children)
+        admitted = Admission.objects.filter(config_id=config.id, state="ADMITTED")
+        assert admitted.count() == children.count()
