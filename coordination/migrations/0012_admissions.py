@@ -7,6 +7,20 @@ from django.db import migrations, models
 import coordination.ids
 
 
+def create_busy_path_index(apps, schema_editor):
+    """Index the subtree query of a run's end over admission configs that have someone in them."""
+    if schema_editor.connection.vendor == "postgresql":
+        # text_pattern_ops lets LIKE 'prefix%' use the index whatever the collation.
+        schema_editor.execute(
+            "CREATE INDEX IF NOT EXISTS admission_config_busy_path ON coordination_admissionconfig "
+            "(run_path text_pattern_ops) WHERE waiting > 0 OR admitted > 0"
+        )
+
+
+def drop_busy_path_index(apps, schema_editor):
+    schema_editor.execute("DROP INDEX IF EXISTS admission_config_busy_path")
+
+
 class Migration(migrations.Migration):
     dependencies = [
         ("coordination", "0009_process_cache_notify"),
@@ -127,4 +141,5 @@ class Migration(migrations.Migration):
                 ],
             },
         ),
+        migrations.RunPython(create_busy_path_index, drop_busy_path_index),
     ]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from coordination import exceptions
@@ -317,8 +317,9 @@ def admissions_end_subtree(end: SubtreeEnd) -> None:
         # The time read under the config lock: admission times follow the line's order.
         _admit_waiters(config, chain, timezone.now())
     configs = list(
+        # Served by the partial index ``admission_config_busy_path`` (migration 0012) on PostgreSQL.
         AdmissionConfig.objects.filter(run_path__startswith=end.path_prefix)
-        .exclude(waiting=0, admitted=0)
+        .filter(Q(waiting__gt=0) | Q(admitted__gt=0))
         .order_by("id")
         .select_for_update()
     )
