@@ -253,15 +253,17 @@ def admission_withdraw(*, project_id: uuid.UUID, admission_id: uuid.UUID) -> Adm
     one place; nobody is admitted, since a waiter exists only while the admitted are at the
     limit.
     """
-    parent_id = Admission.objects.filter(id=admission_id, project_id=project_id).values_list("parent_id", flat=True)
-    parent_id = parent_id.first()
-    if parent_id is None:
+    found = (
+        Admission.objects.filter(id=admission_id, project_id=project_id).values_list("parent_id", "config_id").first()
+    )
+    if found is None:
         raise exceptions.NotFound("Admission not found.", admissionId=str(admission_id))
+    parent_id, config_id = found  # neither ever changes
     # KEY SHARE is enough: leaving the line creates no run. A concurrent cancel of the chain
     # then either ran first (we find the admission CANCELLED) or waits for us.
     run_chain_lock(parent_id, project_id=project_id)
     # The config row before the waiter's row: the admitting paths lock in this order.
-    config = AdmissionConfig.objects.select_for_update().get(admissions__id=admission_id)
+    config = AdmissionConfig.objects.select_for_update().get(id=config_id)
     admission = Admission.objects.select_for_update().get(id=admission_id)
     if admission.state == AdmissionState.ADMITTED:
         raise exceptions.InvalidState(
