@@ -19,6 +19,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.ids import path_ids
 from coordination.models import Admission, AdmissionConfig, Event, Run
+from coordination.models.runs import MAX_DEPTH
 from coordination.services.cascade import SubtreeEnd
 from coordination.services.events import event_row, events_record_many
 from coordination.services.locking import LockMode, chain_refusal, run_chain_lock
@@ -40,6 +41,7 @@ _CODE_ERRORS = {
         exceptions.ScopeCompleted,
         exceptions.DeadlineExceeded,
         exceptions.ChildLimitReached,
+        exceptions.InvalidState,
     )
 }
 
@@ -123,10 +125,17 @@ def _admit_waiters(config: AdmissionConfig, chain: list[Run], now: datetime) -> 
         config.waiting -= 1
         changed = True
         refusal = _child_refusal(head, chain[-1], now)
+        if refusal is None:
+            try:
+                # run_create is atomic (a savepoint): a refusal undoes only its own writes.
+                _create_child(head, now)
+            except exceptions.CoordinationError as error:
+                refusal = _as_refusal(error, chain[-1])
         if refusal is not None:
+            # The end or raise that got here must still commit: this waiter is answered instead.
             _cancel(head, refusal, now, events)
             continue
-        _create_child(head, now)
+        chain[-1].child_count += 1  # run_create counted it in the row; keep our copy in step
         config.admitted += 1
         head.save(update_fields=["run", "run_path", "state", "holds_slot", "admitted_at"])
         events.append(_event(head, "admission.admitted", runId=str(head.run_id), waited=True))
@@ -144,6 +153,15 @@ def _child_refusal(admission: Admission, parent: Run, now: datetime) -> exceptio
     if admission.deadline is not None and admission.deadline <= now:
         return exceptions.DeadlineExceeded(runId=str(parent.id), deadline=admission.deadline.isoformat())
     return None
+
+
+def _as_refusal(error: exceptions.CoordinationError, parent: Run) -> exceptions.Conflict:
+    """Return the code a waiter answers when its run could not be created for ``error``."""
+    if isinstance(error, exceptions.Conflict):
+        return error
+    if "deadline" in error.details:
+        return exceptions.DeadlineExceeded(runId=str(parent.id), deadline=error.details["deadline"])
+    return exceptions.InvalidState(error.message, runId=str(parent.id))
 
 
 def _cancel(admission: Admission, refusal: exceptions.Conflict, now: datetime, events: list[Event]) -> None:
@@ -218,6 +236,9 @@ def admission_request(
     refusal = chain_refusal(chain, now)
     if refusal is not None:
         raise refusal
+    if parent.depth + 1 >= MAX_DEPTH:
+        # Checked here too, not only by run_create: a waiter must be able to get its run later.
+        raise exceptions.ValidationFailed(f"Runs nest at most {MAX_DEPTH} deep.", runId=str(parent.id))
     admission = Admission(
         project_id=project_id,
         config=config,

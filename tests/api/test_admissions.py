@@ -275,3 +275,20 @@ def test_a_run_bound_key_sees_only_its_subtrees_admissions(project, api, parent)
     err(bound.post(f"/v1/runs/{parent['id']}/admissions", {}, format="json"), 404, "NOT_FOUND")
     assert bound.get(f"/v1/admissions/{inside['admissionId']}").status_code == 200
     assert bound.post(f"/v1/runs/{mine['id']}/admissions", {}, format="json").status_code == 201
+
+
+def test_a_raise_past_the_child_limit_admits_what_fits_and_answers_the_rest(api):
+    parent = api.post("/v1/runs", {"childLimit": 2}, format="json").json()
+    configure(api, parent, 1)
+    admitted(api, parent)
+    waiters = [ask(api, parent).json() for _ in range(3)]
+    view = configure(api, parent, 5)
+    assert view.status_code == 200, view.content
+    assert (view.json()["admitted"], view.json()["waiting"]) == (2, 0)
+    answers = [api.get(f"/v1/admissions/{w['admissionId']}").json() for w in waiters]
+    assert [(a["state"], a["endCode"]) for a in answers] == [
+        ("ADMITTED", None),
+        ("CANCELLED", "CHILD_LIMIT_REACHED"),
+        ("CANCELLED", "CHILD_LIMIT_REACHED"),
+    ]
+    err(ask(api, parent, key=None, waitMs=0), 409, "CHILD_LIMIT_REACHED")
