@@ -36,6 +36,11 @@ def later(delay_s, fn):
     return thread
 
 
+def past(moment):
+    """Sleep until ``moment`` has passed."""
+    time.sleep(max(0.0, (moment - datetime.now(UTC)).total_seconds()) + 0.05)
+
+
 @pytest.fixture
 def parent(api):
     return api.post("/v1/runs", {"name": "job"}, format="json").json()
@@ -196,10 +201,10 @@ def test_a_cancelled_ancestor_frees_slots_below_and_cancels_their_waiters(api):
 
 def test_the_deadline_sweep_of_an_admitted_child_admits_the_next(api, parent):
     configure(api, parent, 1)
-    soon = (datetime.now(UTC) + timedelta(milliseconds=300)).isoformat()
-    first = admitted(api, parent, deadline=soon)
+    soon = datetime.now(UTC) + timedelta(seconds=1.5)  # room for a loaded machine before it passes
+    first = admitted(api, parent, deadline=soon.isoformat())
     second = ask(api, parent).json()
-    time.sleep(0.4)
+    past(soon)
     assert api.get(f"/v1/admissions/{second['admissionId']}").json()["state"] == "WAITING"  # until the sweep
     assert runs_sweep_deadlines() >= 1
     assert api.get(f"/v1/admissions/{second['admissionId']}").json()["state"] == "ADMITTED"
@@ -208,12 +213,12 @@ def test_the_deadline_sweep_of_an_admitted_child_admits_the_next(api, parent):
 
 
 def test_a_waiter_under_a_parent_past_its_deadline_is_answered_at_once(api):
-    soon = (datetime.now(UTC) + timedelta(milliseconds=400)).isoformat()
-    parent = api.post("/v1/runs", {"deadline": soon}, format="json").json()
+    soon = datetime.now(UTC) + timedelta(seconds=1.5)  # room for a loaded machine before it passes
+    parent = api.post("/v1/runs", {"deadline": soon.isoformat()}, format="json").json()
     configure(api, parent, 1)
     admitted(api, parent)
     waiter = ask(api, parent, key="w").json()
-    time.sleep(0.5)
+    past(soon)
     err(ask(api, parent, key="w", waitMs=5000), 409, "DEADLINE_EXCEEDED")
     err(ask(api, parent), 409, "DEADLINE_EXCEEDED")
     runs_sweep_deadlines()
