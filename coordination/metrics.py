@@ -331,6 +331,22 @@ _registry.register(DatabaseCollector())
 _registry.register(fold)
 
 
+class AdmissionCollector:
+    """Admissions admitted (children still active) and waiting, summed over every run's line."""
+
+    def collect(self):  # noqa: D102
+        from coordination.services.admissions import admissions_counts
+
+        counts = admissions_counts()
+        yield GaugeMetricFamily(
+            "runstate_admissions_admitted", "Admitted child runs still active.", value=counts["admitted"]
+        )
+        yield GaugeMetricFamily("runstate_admissions_waiting", "Admissions waiting in line.", value=counts["waiting"])
+
+
+_registry.register(AdmissionCollector())
+
+
 def render() -> bytes:
     """Return every ``runstate_*`` metric in Prometheus' text format (folding new events first)."""
     fold.advance()

@@ -399,3 +399,17 @@ def timer_get(visibility: Visibility, timer_id: object) -> Timer:
     if timer is None or not visibility.sees_path(timer.run_path):
         raise exceptions.NotFound("Timer not found.", timerId=str(timer_id))
     return timer
+
+
+def admission_get(visibility: Visibility, admission_id: object):
+    """Return a visible admission (its parent run visible), or raise ``NotFound``."""
+    from coordination.models import Admission  # a separate hunk from the shared import line above
+
+    admission = (
+        Admission.objects.select_related("run")
+        .filter(project_id=visibility.project_id, id=parse_id(admission_id, what="Admission"))
+        .first()
+    )
+    if admission is None or not visibility.sees_path(admission.parent_path):
+        raise exceptions.NotFound("Admission not found.", admissionId=str(admission_id))
+    return admission

@@ -120,3 +120,12 @@ class TimerState(models.TextChoices):
     FIRED = "FIRED"  # fired on the server, whether or not anyone waits
     ACKNOWLEDGED = "ACKNOWLEDGED"  # a waiter saw it fire
     CANCELLED = "CANCELLED"  # disarmed before firing (directly or with its run)
+
+
+class AdmissionState(models.TextChoices):
+    """An admission's lifecycle; written only by ``coordination.services.admissions``."""
+
+    WAITING = "WAITING"  # queued, strictly first come first served, for room under the parent run
+    ADMITTED = "ADMITTED"  # its child run was created (final: the child's own end frees the slot)
+    WITHDRAWN = "WITHDRAWN"  # left the queue on the caller's request
+    CANCELLED = "CANCELLED"  # answered with a refusal code (the parent went inactive, or its run could not be made)

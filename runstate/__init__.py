@@ -10,6 +10,7 @@
 classes below, all subclasses of ``RunstateError``. This package imports nothing from Django.
 """
 
+from runstate._async.admissions import AsyncAdmission, AsyncAdmissions
 from runstate._async.client import AsyncEvents, AsyncMailboxes, AsyncRunstate
 from runstate._async.clock import AsyncBarrier, AsyncBarriers, AsyncTimer, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker
@@ -38,6 +39,7 @@ from runstate._errors import (
     ValidationError,
 )
 from runstate._message_worker import AsyncMessageContext, MessageContext, MessageSummary, Reject
+from runstate._sync.admissions import Admission, Admissions
 from runstate._sync.client import Events, Mailboxes, Runstate
 from runstate._sync.clock import Barrier, Barriers, Timer, Timers
 from runstate._sync.consume import Handler, Worker
@@ -51,6 +53,10 @@ from runstate._worker import AsyncTaskContext, CancellationRequested, ConsumeSum
 __version__ = SDK_VERSION
 
 __all__ = [
+    "Admission",
+    "Admissions",
+    "AsyncAdmission",
+    "AsyncAdmissions",
     "AsyncBarrier",
     "AsyncBarriers",
     "AsyncClaim",

@@ -4,6 +4,7 @@ Every change made here goes through ``coordination.services``; the admin never w
 state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
 """
 
+from .admissions import AdmissionAdmin, AdmissionConfigAdmin
 from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
@@ -13,6 +14,8 @@ from .runs import RunAdmin
 from .work import MailboxAdmin, MessageAdmin, TaskAdmin
 
 __all__ = [
+    "AdmissionAdmin",
+    "AdmissionConfigAdmin",
     "ApiKeyAdmin",
     "BarrierAdmin",
     "EventAdmin",

@@ -3,7 +3,7 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from coordination.api.views import clock, events, groups, health, messages, metrics, runs, stream, work
+from coordination.api.views import admissions, clock, events, groups, health, messages, metrics, runs, stream, work
 
 urlpatterns = [
     path("healthz", health.HealthView.as_view(), name="healthz"),
@@ -57,4 +57,12 @@ urlpatterns = [
     path("timers/<str:timer_id>", clock.TimerDetailView.as_view(), name="timer-detail"),
     path("timers/<str:timer_id>/wait", clock.TimerWaitView.as_view(), name="timer-wait"),
     path("timers/<str:timer_id>/cancel", clock.TimerCancelView.as_view(), name="timer-cancel"),
+    path("runs/<str:run_id>/admission", admissions.AdmissionConfigView.as_view(), name="run-admission"),
+    path("runs/<str:run_id>/admissions", admissions.AdmissionCollectionView.as_view(), name="run-admissions"),
+    path("admissions/<str:admission_id>", admissions.AdmissionDetailView.as_view(), name="admission-detail"),
+    path(
+        "admissions/<str:admission_id>/withdraw",
+        admissions.AdmissionWithdrawView.as_view(),
+        name="admission-withdraw",
+    ),
 ]

@@ -25,12 +25,13 @@ from coordination.admin.work import ROWS_OF_MODE
 from coordination.api.longpoll import _close_connection
 from coordination.api.sse import event_frames, event_stream_response
 from coordination.dashboard import selectors
+from coordination.dashboard.admissions import admission_lines
 from coordination.dashboard.charts import stacked_bars
 from coordination.models import Event, Project, Task
 from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
 from coordination.stuck_cancellations import stuck_cancellations
 
-PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck")
+PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck", "admissions")
 THROUGHPUT_COLORS = {"succeeded": "#2e7d32", "failed": "#c62828", "cancelled": "#f9a825", "expired": "#6d4c41"}
 DECISION_COLORS = {"SUCCESS": "#2e7d32", "FAILURE": "#c62828"}
 # Events the stream reads per project per round trip.
@@ -155,6 +156,7 @@ def _panel_context(request) -> dict:
         ),
         "tree": selectors.run_tree(project_id, _expanded(request)),
         "stuck": _stuck_rows(project, now),
+        "admission_lines": admission_lines(project_id),
     }
 
 

@@ -10,7 +10,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("coordination", "0009_process_cache_notify"),
+        ("coordination", "0012_admissions"),
     ]
 
     operations = [

@@ -1,5 +1,6 @@
 """The coordination models, one module per aggregate."""
 
+from .admissions import Admission, AdmissionConfig
 from .clock import Barrier, BarrierArrival, Timer
 from .events import Event
 from .groups import GroupMember, TaskGroup
@@ -8,6 +9,8 @@ from .runs import Run
 from .work import Mailbox, Message, Task
 
 __all__ = [
+    "Admission",
+    "AdmissionConfig",
     "Barrier",
     "BarrierArrival",
     "Timer",

@@ -55,6 +55,7 @@ def cascade_steps() -> tuple[CascadeStep, ...]:
     Each step lives with its aggregate; importing here, not at module level, keeps the
     aggregates free to import this module.
     """
+    from coordination.services.admissions import admissions_end_subtree
     from coordination.services.barriers import barriers_cancel_subtree
     from coordination.services.groups import groups_end_subtree, groups_reevaluate_after_subtree_end
     from coordination.services.messages import messages_cancel_subtree
@@ -68,6 +69,7 @@ def cascade_steps() -> tuple[CascadeStep, ...]:
         messages_cancel_subtree,
         barriers_cancel_subtree,
         timers_cancel_subtree,
+        admissions_end_subtree,  # after the work: frees the run's slot, may create a sibling run
     )
 
 

@@ -7,6 +7,7 @@ listed here (in ``CASES`` or, with a reason, in ``NO_FOREIGN_IDS``).
 import pytest
 
 from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
+from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
@@ -52,6 +53,7 @@ def b(other_project):
         "member": str(member.id),
         "barrier": str(barrier_create(project_id=pid, run_id=run.id, target=2).id),
         "timer": str(timer_create(project_id=pid, run_id=run.id, after_seconds=600).id),
+        "admission": str(admission_request(project_id=pid, run_id=run.id).admission.id),
     }
 
 
@@ -118,6 +120,11 @@ def cases(a, b):
         ("timers_retrieve", "get", f"/v1/timers/{b['timer']}", None),
         ("timers_cancel", "post", f"/v1/timers/{b['timer']}/cancel", {}),
         ("timers_wait", "post", f"/v1/timers/{b['timer']}/wait?timeoutMs=0", {}),
+        ("runs_admission_retrieve", "get", f"/v1/runs/{b['run']}/admission", None),
+        ("runs_admission_configure", "put", f"/v1/runs/{b['run']}/admission", {"maxActive": 1}),
+        ("runs_admissions_create", "post", f"/v1/runs/{b['run']}/admissions", {}),
+        ("admissions_retrieve", "get", f"/v1/admissions/{b['admission']}", None),
+        ("admissions_withdraw", "post", f"/v1/admissions/{b['admission']}/withdraw", {}),
     ]
 
 
@@ -205,6 +212,7 @@ def test_a_key_bound_to_a_run_gets_404_outside_its_subtree(project, a, b):
         "member": str(member.id),
         "barrier": str(barrier_create(project_id=pid, run_id=theirs.id, target=2).id),
         "timer": str(timer_create(project_id=pid, run_id=theirs.id, after_seconds=600).id),
+        "admission": str(admission_request(project_id=pid, run_id=theirs.id).admission.id),
     }
     bound = make_client(project, run_id=mine.id)
     skip = {"mailboxes_retrieve"}  # mailboxes belong to the project, not to a run

@@ -41,6 +41,7 @@ from schemathesis.specs.openapi.checks import (
 
 from coordination.models import Event
 from coordination.selectors import event_cursor
+from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
@@ -150,6 +151,7 @@ def seed_world() -> dict:
         "group_id": str(group.id),
         "barrier_id": str(barrier.id),
         "timer_id": str(timer.id),
+        "admission_id": str(admission_request(project_id=pid, run_id=run.id, key="fuzz").admission.id),
         "event_cursor": event_cursor(first_event),
     }
 

@@ -9,6 +9,14 @@
  *     const run = await rs.scopes.create();
  */
 
+export {
+  Admission,
+  Admissions,
+  type AdmissionConfigData,
+  type AdmissionData,
+  type AdmissionRequestOptions,
+  type AdmissionState,
+} from './admissions.js';
 export { Events, Mailboxes, Runstate, type EventFilter } from './client.js';
 export { Barrier, Barriers, Timer, Timers, type ArmedTimer, type FiredTimer } from './clock.js';
 export {
