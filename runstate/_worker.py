@@ -744,12 +744,24 @@ class Engine:
         try:
             task = await call
         except (LeaseLostError, ScopeInactiveError, NotFoundError) as exc:
-            logger.info("task %s: result not recorded (%s)", held.claim.task_id, exc.code)
+            logger.info(
+                "task %s attempt %d: result not recorded (%s) after %.3f s",
+                held.claim.task_id,
+                held.claim.attempt,
+                exc.code,
+                took,
+            )
             held.refusal = exc
             self.summary.lost += 1
             return
         except RunstateError as exc:
-            logger.error("task %s: result not recorded: %s", held.claim.task_id, exc)
+            logger.error(
+                "task %s attempt %d: result not recorded: %s after %.3f s",
+                held.claim.task_id,
+                held.claim.attempt,
+                exc,
+                took,
+            )
             held.refusal = exc
             self.summary.lost += 1
             return
