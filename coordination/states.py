@@ -120,3 +120,17 @@ class TimerState(models.TextChoices):
     FIRED = "FIRED"  # fired on the server, whether or not anyone waits
     ACKNOWLEDGED = "ACKNOWLEDGED"  # a waiter saw it fire
     CANCELLED = "CANCELLED"  # disarmed before firing (directly or with its run)
+
+
+class PoolLeaseState(models.TextChoices):
+    """A pool request's lifecycle; written only by ``coordination.services.pools``."""
+
+    WAITING = "WAITING"  # queued behind earlier requests or for units to free up
+    HELD = "HELD"  # granted: its units count in use until released or expired
+    RELEASED = "RELEASED"  # handed back (or left the queue through release)
+    EXPIRED = "EXPIRED"  # its lease ran out before a renewal
+    TIMED_OUT = "TIMED_OUT"  # left the queue ungranted: waitMs passed or its caller went away
+    CANCELLED = "CANCELLED"  # its run went inactive while it waited
+
+
+POOL_LEASE_OPEN = (PoolLeaseState.WAITING, PoolLeaseState.HELD)

@@ -3,6 +3,7 @@
 from .clock import Barrier, BarrierArrival, Timer
 from .events import Event
 from .groups import GroupMember, TaskGroup
+from .pools import Pool, PoolLease
 from .projects import ApiKey, Project
 from .runs import Run
 from .work import Mailbox, Message, Task
@@ -20,4 +21,6 @@ __all__ = [
     "Run",
     "Task",
     "TaskGroup",
+    "Pool",
+    "PoolLease",
 ]
