@@ -12,6 +12,7 @@ their own lease row (after the chain); nothing here locks a run after a pool.
 """
 
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -72,8 +73,28 @@ def _end(lease: PoolLease, state: PoolLeaseState, now: datetime) -> None:
     lease.save(update_fields=["state", "ended_at"])
 
 
-def _grant_heads(pool: Pool, now: datetime) -> list[Event]:
+def _queue(pool: Pool, batch: int = 16) -> Iterator[PoolLease]:
+    """Yield the pool's waiters in arrival order, a few at a time (the walk usually stops early).
+
+    No row locks: every writer of a waiter's state holds the pool's lock, as the caller does.
+    """
+    after = 0
+    while True:
+        rows = list(
+            PoolLease.objects.filter(pool=pool, state=PoolLeaseState.WAITING, arrival__gt=after).order_by("arrival")[
+                :batch
+            ]
+        )
+        yield from rows
+        if len(rows) < batch:
+            return
+        after = rows[-1].arrival
+
+
+def _grant_heads(pool: Pool, now: datetime) -> tuple[list[Event], bool]:
     """Expire run-out leases, drop gone waiters, and grant the head waiters that fit.
+
+    Return the events to record and whether anyone still waits.
 
     The caller holds the pool's lock. Expired leases are freed here, not only by the sweep, so
     correctness never waits for it. A waiter is granted only when its units fit and no
@@ -83,8 +104,8 @@ def _grant_heads(pool: Pool, now: datetime) -> list[Event]:
     one that committed is seen, and its waiters are answered with its code.
     """
     events: list[Event] = []
-    # The pool's lock serializes every writer of these rows; the row locks cost little and
-    # keep a renewal (which locks only its lease) from racing the expiry below.
+    # A renewal locks only its lease row (not the pool): lock the run-out ones so that one of
+    # us sees the other.
     expired = list(
         PoolLease.objects.filter(pool=pool, state=PoolLeaseState.HELD, expires_at__lte=now)
         .order_by("id")
@@ -94,14 +115,13 @@ def _grant_heads(pool: Pool, now: datetime) -> list[Event]:
         _end(lease, PoolLeaseState.EXPIRED, now)
         pool.in_use -= lease.units
         events.append(_event(lease, "pool.expired", pool))
-    waiters = list(
-        PoolLease.objects.filter(pool=pool, state=PoolLeaseState.WAITING).order_by("arrival").select_for_update()
-    )
-    for waiter in waiters:
+    still_waiting = False
+    for waiter in _queue(pool):
         if waiter.expires_at <= now:
             _end(waiter, PoolLeaseState.TIMED_OUT, now)  # its caller is gone
             continue
         if pool.in_use + waiter.units > pool.capacity:
+            still_waiting = True
             break  # strictly first come, first served: nobody behind it goes first
         refusal = _chain_refusal_of(waiter.run_path, now)
         if refusal is not None:
@@ -118,7 +138,7 @@ def _grant_heads(pool: Pool, now: datetime) -> list[Event]:
     if expired or events:
         pool.updated_at = now
         pool.save(update_fields=["in_use", "updated_at"])
-    return events
+    return events, still_waiting
 
 
 @transaction.atomic
@@ -143,7 +163,7 @@ def pool_put(*, project_id: uuid.UUID, name: str, capacity: int) -> tuple[Pool, 
         pool.capacity = capacity
         pool.updated_at = now
         pool.save(update_fields=["capacity", "updated_at"])
-    events_record_many(_grant_heads(pool, now))
+    events_record_many(_grant_heads(pool, now)[0])
     return pool, False
 
 
@@ -183,7 +203,7 @@ def pool_acquire(
             raise exceptions.KeyConflict(key=key)
         if existing is not None and not (existing.state == PoolLeaseState.HELD and existing.expires_at <= now):
             return Acquired(existing, created=False)
-    events = _grant_heads(pool, now)
+    events, someone_waits = _grant_heads(pool, now)
     pool.arrivals += 1
     lease = PoolLease(
         project_id=project_id,
@@ -196,7 +216,6 @@ def pool_acquire(
         arrival=pool.arrivals,
         created_at=now,
     )
-    someone_waits = PoolLease.objects.filter(pool=pool, state=PoolLeaseState.WAITING).exists()
     if not someone_waits and pool.in_use + units <= pool.capacity:
         pool.in_use += units
         lease.state = PoolLeaseState.HELD
@@ -266,7 +285,7 @@ def pool_wait_end(*, lease_id: uuid.UUID) -> Acquired:
             events.append(_event(lease, "pool.cancelled", pool, code=refusal.code))
         else:
             _end(lease, PoolLeaseState.TIMED_OUT, now)
-        events.extend(_grant_heads(pool, now))
+        events.extend(_grant_heads(pool, now)[0])
     if refusal is None and lease.state == PoolLeaseState.CANCELLED:
         refusal = exceptions.ScopeCancelled(runId=str(lease.run_id))
     if refusal is None:
@@ -332,9 +351,11 @@ def pool_lease_release(*, project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLea
     elif lease.state == PoolLeaseState.WAITING:
         _end(lease, PoolLeaseState.RELEASED, now)
     # An expired HELD lease is ended (pool.expired) by the walk below, like the sweep would.
-    events.extend(_grant_heads(pool, now))
+    expired = lease.state == PoolLeaseState.HELD
+    events.extend(_grant_heads(pool, now)[0])
     events_record_many(events)
-    lease.refresh_from_db()
+    if expired:
+        lease.refresh_from_db()
     return lease
 
 
@@ -368,7 +389,7 @@ def pools_cancel_subtree(end: SubtreeEnd) -> None:
         for waiter in waiters:
             _end(waiter, PoolLeaseState.CANCELLED, end.now)
             events.append(_event(waiter, "pool.cancelled", pool, code=code))
-        events.extend(_grant_heads(pool, end.now))
+        events.extend(_grant_heads(pool, end.now)[0])
     events_record_many(events)
 
 
@@ -394,7 +415,7 @@ def _settle_pool(pool_id: uuid.UUID, now: datetime) -> int:
     pool = Pool.objects.select_for_update(skip_locked=True).filter(id=pool_id).first()
     if pool is None:
         return 0
-    events_record_many(_grant_heads(pool, now))
+    events_record_many(_grant_heads(pool, now)[0])
     return 1
 
 
