@@ -14,6 +14,7 @@ from runstate._async.client import AsyncEvents, AsyncMailboxes, AsyncRunstate
 from runstate._async.clock import AsyncBarrier, AsyncBarriers, AsyncTimer, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker
 from runstate._async.groups import AsyncGroup, AsyncGroups
+from runstate._async.pools import AsyncPoolAcquire, AsyncPoolLease, AsyncPools
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
 from runstate._batch import ClaimResult, TaskItem
@@ -39,6 +40,7 @@ from runstate._sync.client import Events, Mailboxes, Runstate
 from runstate._sync.clock import Barrier, Barriers, Timer, Timers
 from runstate._sync.consume import Handler, Worker
 from runstate._sync.groups import Group, Groups
+from runstate._sync.pools import PoolAcquire, PoolLease, Pools
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Claim, Delivery, Messages, Tasks, Ticket
 from runstate._worker import AsyncTaskContext, ConsumeSummary, TaskContext
@@ -56,6 +58,9 @@ __all__ = [
     "AsyncHandler",
     "AsyncMailboxes",
     "AsyncMessages",
+    "AsyncPoolAcquire",
+    "AsyncPoolLease",
+    "AsyncPools",
     "AsyncRunstate",
     "AsyncScope",
     "AsyncScopes",
@@ -83,6 +88,9 @@ __all__ = [
     "LeaseLostError",
     "Mailboxes",
     "Messages",
+    "PoolAcquire",
+    "PoolLease",
+    "Pools",
     "NotFoundError",
     "PermissionDeniedError",
     "RateLimitedError",

@@ -99,6 +99,7 @@ class GrantWatcher:
         self.thread.join(10)
 
 
+@pytest.mark.timeout(900)
 def test_32_threads_200_rounds_on_capacity_3_never_hold_more_than_3_units():
     project = project_ensure(name="pools")
     run = run_create(project_id=project.id)
@@ -129,7 +130,7 @@ def test_32_threads_200_rounds_on_capacity_3_never_hold_more_than_3_units():
             closed(lambda lid=lease.id: pool_lease_release(project_id=project.id, lease_id=lid))
 
     try:
-        run_in_threads([lambda s=i: worker(s) for i in range(32)], timeout=280)
+        run_in_threads([lambda s=i: worker(s) for i in range(32)], timeout=880)
     finally:
         watcher.close()
     assert PoolLease.objects.filter(pool=pool, state="RELEASED").count() == 32 * rounds
