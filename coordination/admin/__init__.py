@@ -8,6 +8,7 @@ from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
+from .pools import PoolAdmin, PoolLeaseAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
 from .work import MailboxAdmin, MessageAdmin, TaskAdmin
@@ -18,6 +19,8 @@ __all__ = [
     "EventAdmin",
     "MailboxAdmin",
     "MessageAdmin",
+    "PoolAdmin",
+    "PoolLeaseAdmin",
     "ProjectAdmin",
     "RunAdmin",
     "TaskAdmin",
