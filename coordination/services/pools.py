@@ -26,6 +26,7 @@ from coordination.models import Event, Pool, PoolLease, Run
 from coordination.services.cascade import SubtreeEnd
 from coordination.services.events import event_for, event_row, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
+from coordination.services.mailboxes import NAME_PATTERN
 from coordination.states import POOL_LEASE_OPEN, PoolLeaseState
 
 MAX_CAPACITY = 1_000_000
@@ -50,7 +51,18 @@ def _event(lease: PoolLease, type: str, pool: Pool, **data) -> Event:
 
 
 def _lock_pool(project_id: uuid.UUID, name: str) -> Pool:
-    pool = Pool.objects.select_for_update().filter(project_id=project_id, name=name).first()
+    # No pool has a name pool_put refuses; asking the database could fail on it (a NUL).
+    pool = None
+    if NAME_PATTERN.match(name):
+        pool = Pool.objects.select_for_update().filter(project_id=project_id, name=name).first()
+    if pool is None:
+        raise exceptions.NotFound("Pool not found.", pool=name)
+    return pool
+
+
+def pool_get(*, project_id: uuid.UUID, name: str) -> Pool:
+    """Return the project's pool ``name``, or raise ``NotFound``."""
+    pool = Pool.objects.filter(project_id=project_id, name=name).first() if NAME_PATTERN.match(name) else None
     if pool is None:
         raise exceptions.NotFound("Pool not found.", pool=name)
     return pool
@@ -149,8 +161,8 @@ def pool_put(*, project_id: uuid.UUID, name: str, capacity: int) -> tuple[Pool, 
     """
     if not 1 <= capacity <= MAX_CAPACITY:
         raise exceptions.ValidationFailed("Invalid capacity.", capacity=f"between 1 and {MAX_CAPACITY}")
-    if not name or len(name) > 200:
-        raise exceptions.ValidationFailed("Invalid pool name.", name="1 to 200 characters")
+    if not NAME_PATTERN.match(name or ""):
+        raise exceptions.ValidationFailed("Invalid pool name.", name="1-100 of A-Z a-z 0-9 . _ -")
     now = timezone.now()
     try:
         with transaction.atomic():

@@ -253,3 +253,9 @@ def test_a_run_bound_key_uses_only_runs_in_its_subtree(api, project, gpu):
     theirs = api.post("/v1/pools/gpu/leases", {"runId": str(sibling.id)}, format="json").json()
     err(bound.post(f"/v1/pool-leases/{theirs['leaseId']}/release"), 404, "NOT_FOUND")
     assert bound.post(f"/v1/pool-leases/{mine.json()['leaseId']}/release").status_code == 200
+
+
+def test_pool_names_are_checked_like_mailbox_names(api, run):
+    err(api.put("/v1/pools/bad%20name", {"capacity": 1}, format="json"), 400, "VALIDATION_ERROR")
+    err(api.get("/v1/pools/%00"), 404, "NOT_FOUND")
+    err(api.post("/v1/pools/%00/leases", {"runId": run["id"]}, format="json"), 404, "NOT_FOUND")

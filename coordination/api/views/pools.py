@@ -116,10 +116,7 @@ class PoolView(ApiView):
     @extend_schema(operation_id="pools_retrieve", responses=with_errors({200: PoolOut}))
     def get(self, request, name):
         """Return the pool and its use."""
-        pool = Pool.objects.filter(project_id=self.project_id, name=name).first()
-        if pool is None:
-            raise exceptions.NotFound("Pool not found.", pool=name)
-        return Response(present_pool(pool))
+        return Response(present_pool(pool_services.pool_get(project_id=self.project_id, name=name)))
 
 
 class PoolLeaseCollectionView(AsyncApiView):
