@@ -2,7 +2,7 @@
 
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db import connection
@@ -259,3 +259,14 @@ def test_pool_names_are_checked_like_mailbox_names(api, run):
     err(api.put("/v1/pools/bad%20name", {"capacity": 1}, format="json"), 400, "VALIDATION_ERROR")
     err(api.get("/v1/pools/%00"), 404, "NOT_FOUND")
     err(api.post("/v1/pools/%00/leases", {"runId": run["id"]}, format="json"), 404, "NOT_FOUND")
+
+
+def test_a_waiter_under_a_run_past_its_deadline_is_answered_with_deadline_exceeded(api, gpu, project):
+    holder = api.post("/v1/runs", {}, format="json").json()
+    acquire(api, holder, units=3)
+    deadline = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
+    late = api.post("/v1/runs", {"deadline": deadline}, format="json").json()
+    started = time.monotonic()
+    err(acquire(api, late, waitMs=20000), 409, "DEADLINE_EXCEEDED")  # no sweep needed
+    assert time.monotonic() - started < 15
+    assert PoolLease.objects.get(run_id=late["id"]).state == "CANCELLED"
