@@ -10,7 +10,8 @@ from django.contrib import admin, messages
 
 from coordination.exceptions import CoordinationError
 from coordination.models import Pool, PoolLease
-from coordination.services.pools import pool_lease_release, pool_put, pool_stats
+from coordination.services.mailboxes import NAME_PATTERN
+from coordination.services.pools import MAX_CAPACITY, pool_lease_release, pool_put, pool_stats
 
 from .base import ServiceBackedAdmin, change_link
 
@@ -21,6 +22,20 @@ class PoolForm(forms.ModelForm):
     class Meta:
         model = Pool
         fields = ("project", "name", "capacity")
+
+    def clean_name(self) -> str:
+        """Refuse here what ``pool_put`` would refuse (the API's name rule)."""
+        name = self.cleaned_data["name"]
+        if not NAME_PATTERN.match(name):
+            raise forms.ValidationError("1-100 of A-Z a-z 0-9 . _ - (starting with a letter or digit).")
+        return name
+
+    def clean_capacity(self) -> int:
+        """Refuse here what ``pool_put`` would refuse."""
+        capacity = self.cleaned_data["capacity"]
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise forms.ValidationError(f"Between 1 and {MAX_CAPACITY}.")
+        return capacity
 
 
 @admin.register(Pool)

@@ -70,3 +70,12 @@ def test_the_dashboard_has_a_pools_panel(admin_client, busy):
     panels = admin_client.get("/admin/dashboard/panels").json()["panels"]
     assert 'data-pool="gpu"' in panels["pools"]
     assert "2</a> / 2" in panels["pools"]
+
+
+def test_the_admin_refuses_a_bad_name_or_capacity_in_the_form(admin_client, project):
+    response = admin_client.post(
+        reverse("admin:coordination_pool_add"), {"project": project.pk, "name": "bad name", "capacity": 0}
+    )
+    assert response.status_code == 200  # the form again, with its errors
+    assert set(response.context["adminform"].form.errors) == {"name", "capacity"}
+    assert not Pool.objects.exists()
