@@ -137,6 +137,11 @@ class TimerFired(Conflict):
     default_message = "The timer has already fired."
 
 
+class PoolExhausted(Conflict):
+    code = "POOL_EXHAUSTED"
+    default_message = "The pool has no room for this request within waitMs."
+
+
 class InvalidState(Conflict):
     code = "INVALID_STATE"
     default_message = "The object's state does not allow this."

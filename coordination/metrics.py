@@ -351,3 +351,30 @@ def render() -> bytes:
     """Return every ``runstate_*`` metric in Prometheus' text format (folding new events first)."""
     fold.advance()
     return generate_latest(_process_registry()) + generate_latest(_registry)
+
+
+# Pools ------------------------------------------------------------------------------------
+
+
+class PoolCollector:
+    """Per pool: capacity, units in use and waiters, read at each scrape (never an expired lease)."""
+
+    def collect(self):  # noqa: D102
+        from coordination.models import Pool
+        from coordination.services.pools import pool_stats
+
+        labels = ["project", "pool"]
+        capacity = GaugeMetricFamily("runstate_pool_capacity", "A pool's capacity in units.", labels=labels)
+        in_use = GaugeMetricFamily("runstate_pool_in_use", "Units held by unexpired pool leases.", labels=labels)
+        waiting = GaugeMetricFamily("runstate_pool_waiting", "Requests waiting in a pool's queue.", labels=labels)
+        pools = list(Pool.objects.select_related("project").order_by("project__name", "name"))
+        stats = pool_stats(pools)
+        for pool in pools:
+            key = [pool.project.name, pool.name]
+            capacity.add_metric(key, pool.capacity)
+            in_use.add_metric(key, stats[pool.id][0])
+            waiting.add_metric(key, stats[pool.id][1])
+        yield from (capacity, in_use, waiting)
+
+
+_registry.register(PoolCollector())

@@ -129,3 +129,15 @@ class AdmissionState(models.TextChoices):
     ADMITTED = "ADMITTED"  # its child run was created (final: the child's own end frees the slot)
     WITHDRAWN = "WITHDRAWN"  # left the queue on the caller's request
     CANCELLED = "CANCELLED"  # answered with a refusal code (the parent went inactive, or its run could not be made)
+class PoolLeaseState(models.TextChoices):
+    """A pool request's lifecycle; written only by ``coordination.services.pools``."""
+
+    WAITING = "WAITING"  # queued behind earlier requests or for units to free up
+    HELD = "HELD"  # granted: its units count in use until released or expired
+    RELEASED = "RELEASED"  # handed back (or left the queue through release)
+    EXPIRED = "EXPIRED"  # its lease ran out before a renewal
+    TIMED_OUT = "TIMED_OUT"  # left the queue ungranted: waitMs passed or its caller went away
+    CANCELLED = "CANCELLED"  # its run went inactive while it waited
+
+
+POOL_LEASE_OPEN = (PoolLeaseState.WAITING, PoolLeaseState.HELD)

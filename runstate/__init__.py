@@ -17,6 +17,7 @@ from runstate._async.consume import AsyncHandler, AsyncWorker
 from runstate._async.consume_messages import AsyncMessageHandler, AsyncMessageWorker
 from runstate._async.groups import AsyncGroup, AsyncGroups
 from runstate._async.hold import AsyncHold, AsyncHoldContext
+from runstate._async.pools import AsyncPoolAcquire, AsyncPoolLease, AsyncPools
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
 from runstate._batch import ClaimResult, TaskItem
@@ -46,6 +47,7 @@ from runstate._sync.consume import Handler, Worker
 from runstate._sync.consume_messages import MessageHandler, MessageWorker
 from runstate._sync.groups import Group, Groups
 from runstate._sync.hold import Hold, HoldContext
+from runstate._sync.pools import PoolAcquire, PoolLease, Pools
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Claim, Delivery, Messages, Tasks, Ticket
 from runstate._worker import AsyncTaskContext, CancellationRequested, ConsumeSummary, TaskContext
@@ -72,6 +74,9 @@ __all__ = [
     "AsyncMessageHandler",
     "AsyncMessageWorker",
     "AsyncMessages",
+    "AsyncPoolAcquire",
+    "AsyncPoolLease",
+    "AsyncPools",
     "AsyncRunstate",
     "AsyncScope",
     "AsyncScopes",
@@ -106,6 +111,9 @@ __all__ = [
     "MessageSummary",
     "MessageWorker",
     "Messages",
+    "PoolAcquire",
+    "PoolLease",
+    "Pools",
     "NotFoundError",
     "PermissionDeniedError",
     "RateLimitedError",

@@ -93,9 +93,10 @@ def sweep_timers() -> int:
 def sweep_leases() -> int:
     """Return expired leases to the queue (or fail them); finalize cancellations whose lease or grace ran out."""
     from coordination.services.messages import messages_cancel_orphaned_in_flight
+    from coordination.services.pools import pools_settle_due
     from coordination.services.sweeps import tasks_settle_expired_leases
 
-    return _drain(tasks_settle_expired_leases) + _drain(messages_cancel_orphaned_in_flight)
+    return _drain(tasks_settle_expired_leases) + _drain(messages_cancel_orphaned_in_flight) + _drain(pools_settle_due)
 
 
 @shared_task(name="runstate.sweep_deadlines", ignore_result=True)

@@ -9,6 +9,7 @@ from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
+from .pools import PoolAdmin, PoolLeaseAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
 from .work import MailboxAdmin, MessageAdmin, TaskAdmin
@@ -21,6 +22,8 @@ __all__ = [
     "EventAdmin",
     "MailboxAdmin",
     "MessageAdmin",
+    "PoolAdmin",
+    "PoolLeaseAdmin",
     "ProjectAdmin",
     "RunAdmin",
     "TaskAdmin",

@@ -3,7 +3,7 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from coordination.api.views import admissions, clock, events, groups, health, messages, metrics, runs, stream, work
+from coordination.api.views import admissions, clock, events, groups, health, messages, metrics, pools, runs, stream, work
 
 urlpatterns = [
     path("healthz", health.HealthView.as_view(), name="healthz"),
@@ -65,4 +65,9 @@ urlpatterns = [
         admissions.AdmissionWithdrawView.as_view(),
         name="admission-withdraw",
     ),
+    path("pools/<str:name>", pools.PoolView.as_view(), name="pool"),
+    path("pools/<str:name>/leases", pools.PoolLeaseCollectionView.as_view(), name="pool-leases"),
+    path("pool-leases/<str:lease_id>", pools.PoolLeaseDetailView.as_view(), name="pool-lease-detail"),
+    path("pool-leases/<str:lease_id>/renew", pools.PoolLeaseRenewView.as_view(), name="pool-lease-renew"),
+    path("pool-leases/<str:lease_id>/release", pools.PoolLeaseReleaseView.as_view(), name="pool-lease-release"),
 ]

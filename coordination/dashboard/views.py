@@ -31,7 +31,7 @@ from coordination.models import Event, Project, Task
 from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
 from coordination.stuck_cancellations import stuck_cancellations
 
-PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck", "admissions")
+PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck", "admissions", "pools")
 THROUGHPUT_COLORS = {"succeeded": "#2e7d32", "failed": "#c62828", "cancelled": "#f9a825", "expired": "#6d4c41"}
 DECISION_COLORS = {"SUCCESS": "#2e7d32", "FAILURE": "#c62828"}
 # Events the stream reads per project per round trip.
@@ -126,6 +126,27 @@ def _stuck_rows(project: Project | None, now) -> list[dict]:
     ]
 
 
+def _pool_rows(project: Project | None) -> list[dict]:
+    from coordination.models import Pool, PoolLease
+    from coordination.services.pools import pool_stats
+
+    queryset = Pool.objects.select_related("project").order_by("project__name", "name")
+    pools = list(queryset if project is None else queryset.filter(project=project))
+    stats = pool_stats(pools)
+    leases_url = changelist_url(PoolLease)
+    return [
+        {
+            "pool": pool,
+            "url": change_url(pool),
+            "in_use": stats[pool.id][0],
+            "waiting": stats[pool.id][1],
+            "leases_url": _filtered(leases_url, pool__id__exact=pool.id, state__exact="HELD"),
+            "waiting_url": _filtered(leases_url, pool__id__exact=pool.id, state__exact="WAITING"),
+        }
+        for pool in pools
+    ]
+
+
 def _panel_context(request) -> dict:
     project = _project(request)
     project_id = project.id if project else None
@@ -157,6 +178,7 @@ def _panel_context(request) -> dict:
         "tree": selectors.run_tree(project_id, _expanded(request)),
         "stuck": _stuck_rows(project, now),
         "admission_lines": admission_lines(project_id),
+        "pools": _pool_rows(project),
     }
 
 

@@ -4,6 +4,7 @@ from .admissions import Admission, AdmissionConfig
 from .clock import Barrier, BarrierArrival, Timer
 from .events import Event
 from .groups import GroupMember, TaskGroup
+from .pools import Pool, PoolLease
 from .projects import ApiKey, Project
 from .runs import Run
 from .work import Mailbox, Message, Task
@@ -23,4 +24,6 @@ __all__ = [
     "Run",
     "Task",
     "TaskGroup",
+    "Pool",
+    "PoolLease",
 ]

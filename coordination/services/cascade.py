@@ -59,6 +59,7 @@ def cascade_steps() -> tuple[CascadeStep, ...]:
     from coordination.services.barriers import barriers_cancel_subtree
     from coordination.services.groups import groups_end_subtree, groups_reevaluate_after_subtree_end
     from coordination.services.messages import messages_cancel_subtree
+    from coordination.services.pools import pools_cancel_subtree
     from coordination.services.tasks import tasks_cancel_subtree
     from coordination.services.timers import timers_cancel_subtree
 
@@ -69,6 +70,7 @@ def cascade_steps() -> tuple[CascadeStep, ...]:
         messages_cancel_subtree,
         barriers_cancel_subtree,
         timers_cancel_subtree,
+        pools_cancel_subtree,  # answer the subtree's pool waiters; held leases stay held
         admissions_end_subtree,  # after the work: frees the run's slot, may create a sibling run
     )
 

@@ -12,6 +12,7 @@ from runstate._config import ClientConfig, JsonDict, compact, csv, default_scope
 from runstate._sync.clock import Barriers, Timers
 from runstate._sync.groups import Groups
 from runstate._sync.http import Http
+from runstate._sync.pools import Pools
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Messages, Tasks
 
@@ -155,6 +156,7 @@ class Runstate:
         self.messages = Messages(self._http, None)
         self.barriers = Barriers(self._http, None)
         self.timers = Timers(self._http, None)
+        self.pools = Pools(self._http)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.config.base_url}>"

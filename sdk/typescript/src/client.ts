@@ -4,6 +4,7 @@ import { Barriers, Timers } from './clock.js';
 import { TransportError } from './errors.js';
 import { Groups } from './groups.js';
 import { Http, MAX_SERVER_WAIT_MS, buildConfig, compact, segment, sleep, type ClientConfig, type RunstateOptions } from './http.js';
+import { Pools } from './pools.js';
 import { Scope, Scopes } from './scopes.js';
 import type { EventData, EventPage, Mailbox, MailboxMode } from './types.js';
 import { Messages, Tasks } from './work.js';
@@ -134,6 +135,7 @@ export class Runstate {
   readonly messages: Messages;
   readonly barriers: Barriers;
   readonly timers: Timers;
+  readonly pools: Pools;
   private readonly http: Http;
 
   constructor(options: RunstateOptions = {}) {
@@ -147,6 +149,7 @@ export class Runstate {
     this.messages = new Messages(this.http, null);
     this.barriers = new Barriers(this.http, null);
     this.timers = new Timers(this.http, null);
+    this.pools = new Pools(this.http);
   }
 
   /** Return a handle on the run `scopeId` (default `RUNSTATE_SCOPE_ID`); no request is sent. */

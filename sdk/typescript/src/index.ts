@@ -39,6 +39,15 @@ export {
   type ErrorDetails,
 } from './errors.js';
 export { Group, Groups, type GroupCreateOptions } from './groups.js';
+export {
+  PoolLease,
+  Pools,
+  type AcquireOptions,
+  type LeaseLossReason,
+  type PoolData,
+  type PoolLeaseData,
+  type PoolLeaseState,
+} from './pools.js';
 export { SDK_VERSION, type ClientConfig, type RunstateOptions } from './http.js';
 export { Scope, Scopes, type RunCreateOptions } from './scopes.js';
 export type * from './types.js';

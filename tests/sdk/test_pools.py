@@ -1,0 +1,73 @@
+"""The SDKs' pools against a live server: ``rs.pools.put`` / ``acquire`` (async and sync)."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from runstate import AsyncRunstate, ConflictError, Runstate, ScopeCancelledError
+
+pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
+
+
+def test_async_acquire_renews_in_the_background_and_releases_on_exit(sdk):
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            assert (await rs.pools.put("gpu", capacity=2))["capacity"] == 2
+            assert (await rs.pools.ensure("gpu", capacity=2))["inUse"] == 0
+            run = await rs.scopes.create()
+            async with rs.pools.acquire("gpu", run_id=run.id, units=2, lease_ttl_ms=300) as lease:
+                first_expiry = lease.data["expiresAt"]
+                await asyncio.sleep(0.8)  # past the TTL: only the renewals keep it
+                assert not lease.lost and not lease.signal.is_set()
+                assert (await lease.status())["expiresAt"] > first_expiry
+                assert (await rs.pools.retrieve("gpu"))["inUse"] == 2
+                with pytest.raises(ConflictError) as excinfo:
+                    await rs.pools.acquire("gpu", run_id=run.id)
+                assert excinfo.value.code == "POOL_EXHAUSTED"
+                assert excinfo.value.details == {"capacity": 2, "inUse": 2, "waiting": 0}
+            assert (await lease.status())["state"] == "RELEASED"
+            assert (await rs.pools.retrieve("gpu"))["inUse"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_async_lease_is_marked_lost_with_its_signal_when_the_run_is_cancelled(sdk):
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            await rs.pools.put("gpu", capacity=1)
+            run = await rs.scopes.create()
+            async with rs.pools.acquire("gpu", run_id=run.id, lease_ttl_ms=3000) as lease:
+                await run.cancel()
+                await asyncio.wait_for(lease.signal.wait(), 10)
+                assert lease.lost and lease.lost_reason == "scope_refused"
+                with pytest.raises(ScopeCancelledError):
+                    await lease.renew()
+            # Released on exit even under the cancelled run.
+            assert (await lease.status())["state"] == "RELEASED"
+            assert (await rs.pools.retrieve("gpu"))["inUse"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_sync_acquire_waits_for_a_release_and_keys_are_idempotent(sdk):
+    with Runstate() as rs:
+        rs.pools.put("gpu", capacity=1)
+        run = rs.scopes.create()
+        held = rs.pools.acquire("gpu", run_id=run.id, key="first").lease()
+        again = rs.pools.acquire("gpu", run_id=run.id, key="first").lease()
+        assert again.id == held.id
+        releaser = threading.Timer(0.3, held.release)
+        releaser.start()
+        started = time.monotonic()
+        with rs.pools.acquire("gpu", run_id=run.id, wait_ms=20_000, lease_ttl_ms=500) as lease:
+            assert time.monotonic() - started < 15
+            assert lease.data["state"] == "HELD"
+            time.sleep(1.0)  # the renewal thread keeps it past its TTL
+            assert not lease.lost and lease.status()["state"] == "HELD"
+        releaser.join()
+        assert lease.status()["state"] == "RELEASED"
+        with pytest.raises(ScopeCancelledError):
+            run.cancel()
+            rs.pools.acquire("gpu", run_id=run.id).lease()
