@@ -120,3 +120,12 @@ class TimerState(models.TextChoices):
     FIRED = "FIRED"  # fired on the server, whether or not anyone waits
     ACKNOWLEDGED = "ACKNOWLEDGED"  # a waiter saw it fire
     CANCELLED = "CANCELLED"  # disarmed before firing (directly or with its run)
+
+
+class ReservationState(models.TextChoices):
+    """A budget reservation's state; written only by ``coordination.services.budgets``."""
+
+    RESERVED = "RESERVED"  # its amount is held on every budget of its name on the run's chain
+    COMMITTED = "COMMITTED"  # what was spent is recorded, the rest handed back
+    RELEASED = "RELEASED"  # handed back whole
+    EXPIRED = "EXPIRED"  # unsettled after its ttl: the sweep handed it back whole

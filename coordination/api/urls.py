@@ -3,7 +3,7 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from coordination.api.views import clock, events, groups, health, messages, metrics, runs, stream, work
+from coordination.api.views import budgets, clock, events, groups, health, messages, metrics, quotas, runs, stream, work
 
 urlpatterns = [
     path("healthz", health.HealthView.as_view(), name="healthz"),
@@ -55,4 +55,24 @@ urlpatterns = [
     path("timers/<str:timer_id>", clock.TimerDetailView.as_view(), name="timer-detail"),
     path("timers/<str:timer_id>/wait", clock.TimerWaitView.as_view(), name="timer-wait"),
     path("timers/<str:timer_id>/cancel", clock.TimerCancelView.as_view(), name="timer-cancel"),
+    path("quotas/<str:name>", quotas.QuotaView.as_view(), name="quota"),
+    path("quotas/<str:name>/take", quotas.QuotaTakeView.as_view(), name="quota-take"),
+    path("runs/<str:run_id>/budgets", budgets.RunBudgetsView.as_view(), name="run-budgets"),
+    path("budgets/<str:budget_id>", budgets.BudgetDetailView.as_view(), name="budget-detail"),
+    path("budget-reservations", budgets.ReservationCollectionView.as_view(), name="budget-reservations"),
+    path(
+        "budget-reservations/<str:reservation_id>",
+        budgets.ReservationDetailView.as_view(),
+        name="budget-reservation-detail",
+    ),
+    path(
+        "budget-reservations/<str:reservation_id>/commit",
+        budgets.ReservationCommitView.as_view(),
+        name="budget-reservation-commit",
+    ),
+    path(
+        "budget-reservations/<str:reservation_id>/release",
+        budgets.ReservationReleaseView.as_view(),
+        name="budget-reservation-release",
+    ),
 ]
