@@ -119,6 +119,13 @@ def reservation_create(
     # committed before is seen by chain_refusal, so nothing is reserved after a cancel commits.
     chain = run_chain_lock(run_id, project_id=project_id)
     run = chain[-1]
+    # Lock every budget of the name on the chain, root first: concurrent reservations,
+    # commits and releases on any of them serialize here, so the room seen is the room there
+    # is, and two reservations with one key are looked up one after the other.
+    ids = Budget.objects.filter(run_id__in=[r.id for r in chain], name=budget).values_list("id", flat=True)
+    budgets = _lock_budgets(ids)
+    if not budgets:
+        raise exceptions.NotFound("No budget of this name on the run's chain.", budget=budget)
     if key is not None:
         # A replay returns the reservation it made, whatever became of it or of the run.
         existing = BudgetReservation.objects.filter(run=run, budget_name=budget, key=key).first()
@@ -129,12 +136,6 @@ def reservation_create(
     refusal = chain_refusal(chain)
     if refusal is not None:
         raise refusal
-    # Lock every budget of the name on the chain, root first: concurrent reservations,
-    # commits and releases on any of them serialize here, so the room seen is the room there is.
-    ids = Budget.objects.filter(run_id__in=[r.id for r in chain], name=budget).values_list("id", flat=True)
-    budgets = _lock_budgets(ids)
-    if not budgets:
-        raise exceptions.NotFound("No budget of this name on the run's chain.", budget=budget)
     tightest = min(budgets, key=lambda b: (b.remaining, -len(b.run_path)))
     now = timezone.now()
     if tightest.remaining < amount:
