@@ -10,10 +10,12 @@
 classes below, all subclasses of ``RunstateError``. This package imports nothing from Django.
 """
 
+from runstate._async.budgets import AsyncBudget, AsyncBudgets, AsyncReservation
 from runstate._async.client import AsyncEvents, AsyncMailboxes, AsyncRunstate
 from runstate._async.clock import AsyncBarrier, AsyncBarriers, AsyncTimer, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker
 from runstate._async.groups import AsyncGroup, AsyncGroups
+from runstate._async.quotas import AsyncQuotas
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
 from runstate._batch import ClaimResult, TaskItem
@@ -35,10 +37,12 @@ from runstate._errors import (
     TransportError,
     ValidationError,
 )
+from runstate._sync.budgets import Budget, Budgets, Reservation
 from runstate._sync.client import Events, Mailboxes, Runstate
 from runstate._sync.clock import Barrier, Barriers, Timer, Timers
 from runstate._sync.consume import Handler, Worker
 from runstate._sync.groups import Group, Groups
+from runstate._sync.quotas import Quotas
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Claim, Delivery, Messages, Tasks, Ticket
 from runstate._worker import AsyncTaskContext, ConsumeSummary, TaskContext
@@ -46,6 +50,14 @@ from runstate._worker import AsyncTaskContext, ConsumeSummary, TaskContext
 __version__ = SDK_VERSION
 
 __all__ = [
+    "AsyncBudget",
+    "AsyncBudgets",
+    "AsyncQuotas",
+    "AsyncReservation",
+    "Budget",
+    "Budgets",
+    "Quotas",
+    "Reservation",
     "AsyncBarrier",
     "AsyncBarriers",
     "AsyncClaim",

@@ -5,6 +5,7 @@ from datetime import datetime
 from typing import Any
 
 from runstate._config import JsonDict, compact, segment, wire_time
+from runstate._sync.budgets import Budgets
 from runstate._sync.clock import Barriers, Timers
 from runstate._sync.consume import ConsumeSummary, Handler, Worker
 from runstate._sync.groups import Groups
@@ -28,6 +29,7 @@ class Scope:
         self.timers = Timers(http, run_id)
         self.tasks = Tasks(http, run_id)
         self.messages = Messages(http, run_id)
+        self.budgets = Budgets(http, run_id)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"
