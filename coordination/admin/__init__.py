@@ -8,11 +8,15 @@ from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
+from .limits import BudgetAdmin, BudgetReservationAdmin, QuotaAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
 from .work import MailboxAdmin, MessageAdmin, TaskAdmin
 
 __all__ = [
+    "BudgetAdmin",
+    "BudgetReservationAdmin",
+    "QuotaAdmin",
     "ApiKeyAdmin",
     "BarrierAdmin",
     "EventAdmin",
