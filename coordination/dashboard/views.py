@@ -26,10 +26,11 @@ from coordination.api.longpoll import _close_connection
 from coordination.api.sse import event_frames, event_stream_response
 from coordination.dashboard import selectors
 from coordination.dashboard.charts import stacked_bars
+from coordination.dashboard.limits import quota_budget_rows
 from coordination.models import Event, Project, Task
 from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
 
-PANELS = ("counts", "queues", "leases", "groups", "charts", "tree")
+PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "quotas_budgets")
 THROUGHPUT_COLORS = {"succeeded": "#2e7d32", "failed": "#c62828", "cancelled": "#f9a825", "expired": "#6d4c41"}
 DECISION_COLORS = {"SUCCESS": "#2e7d32", "FAILURE": "#c62828"}
 # Events the stream reads per project per round trip.
@@ -136,6 +137,7 @@ def _panel_context(request) -> dict:
             caption=f"{sum(sum(v) for v in decided.values.values()):.0f} groups decided in the last hour",
         ),
         "tree": selectors.run_tree(project_id, _expanded(request)),
+        "quotas_budgets": quota_budget_rows(project_id),
     }
 
 

@@ -68,3 +68,14 @@ def test_metrics_report_quota_levels_and_budget_remaining(anon, project, run):
     samples = scrape(anon)
     assert value(samples, "runstate_quota_available", project=project.name, quota="openai") == 7
     assert value(samples, "runstate_budget_remaining", project=project.name, budget="usd", run=str(run.id)) == 70
+
+
+def test_the_dashboard_shows_bucket_levels_and_budget_bars(admin_client, project, run):
+    quota_put(project_id=project.id, name="openai", limit=10, period_ms=3_600_000)
+    budget = budget_create(project_id=project.id, run_id=run.id, name="usd", limit=100)
+    reservation_create(project_id=project.id, run_id=run.id, budget="usd", amount=30)
+    html = admin_client.get("/admin/dashboard/").content.decode()
+    assert 'data-quota="openai"' in html and "10 / 10" in html
+    assert f'data-budget="{budget.id}"' in html and "0 + 30 / 100" in html
+    panels = admin_client.get("/admin/dashboard/panels").json()["panels"]
+    assert "0 + 30 / 100" in panels["quotas_budgets"]
