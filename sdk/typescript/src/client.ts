@@ -1,9 +1,11 @@
 /** `Runstate`: the client and its top-level namespaces. */
 
+import { Budgets } from './budgets.js';
 import { Barriers, Timers } from './clock.js';
 import { TransportError } from './errors.js';
 import { Groups } from './groups.js';
 import { Http, MAX_SERVER_WAIT_MS, buildConfig, compact, segment, sleep, type ClientConfig, type RunstateOptions } from './http.js';
+import { Quotas } from './quotas.js';
 import { Scope, Scopes } from './scopes.js';
 import type { EventData, EventPage, Mailbox, MailboxMode } from './types.js';
 import { Messages, Tasks } from './work.js';
@@ -134,6 +136,8 @@ export class Runstate {
   readonly messages: Messages;
   readonly barriers: Barriers;
   readonly timers: Timers;
+  readonly quotas: Quotas;
+  readonly budgets: Budgets;
   private readonly http: Http;
 
   constructor(options: RunstateOptions = {}) {
@@ -147,6 +151,8 @@ export class Runstate {
     this.messages = new Messages(this.http, null);
     this.barriers = new Barriers(this.http, null);
     this.timers = new Timers(this.http, null);
+    this.quotas = new Quotas(this.http);
+    this.budgets = new Budgets(this.http, null);
   }
 
   /** Return a handle on the run `scopeId` (default `RUNSTATE_SCOPE_ID`); no request is sent. */

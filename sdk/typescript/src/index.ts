@@ -9,6 +9,7 @@
  *     const run = await rs.scopes.create();
  */
 
+export { Budget, Budgets, Reservation, type BudgetData, type ReservationData, type ReserveOptions } from './budgets.js';
 export { Events, Mailboxes, Runstate, type EventFilter } from './client.js';
 export { Barrier, Barriers, Timer, Timers, type ArmedTimer, type FiredTimer } from './clock.js';
 export {
@@ -32,6 +33,7 @@ export {
 } from './errors.js';
 export { Group, Groups, type GroupCreateOptions } from './groups.js';
 export { SDK_VERSION, type ClientConfig, type RunstateOptions } from './http.js';
+export { Quotas, type QuotaData, type QuotaTake, type QuotaTakeOptions } from './quotas.js';
 export { Scope, Scopes, type RunCreateOptions } from './scopes.js';
 export type * from './types.js';
 export {

@@ -1,5 +1,6 @@
 /** Runs (scopes): `rs.scopes.create`, `rs.scope(id)` and the run handle. */
 
+import { Budgets } from './budgets.js';
 import { Barriers, Timers } from './clock.js';
 import { Groups } from './groups.js';
 import { Http, compact, segment, wireTime } from './http.js';
@@ -30,6 +31,7 @@ export class Scope {
   readonly timers: Timers;
   readonly tasks: Tasks;
   readonly messages: Messages;
+  readonly budgets: Budgets;
 
   constructor(
     private readonly http: Http,
@@ -43,6 +45,7 @@ export class Scope {
     this.timers = new Timers(http, id);
     this.tasks = new Tasks(http, id);
     this.messages = new Messages(http, id);
+    this.budgets = new Budgets(http, id);
   }
 
   private get path(): string {
