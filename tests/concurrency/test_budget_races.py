@@ -173,3 +173,19 @@ def test_reservations_racing_a_cancel_grant_nothing_once_the_cancel_committed_20
         attempts = [attempt for per_thread in results[1:] for attempt in per_thread]
         assert [s for s, granted in attempts if granted and s > cancelled_at[0]] == []
         assert any(not granted for _, granted in attempts)
+
+
+def test_the_beat_lease_sweep_expires_reservations_past_their_ttl():
+    from workers.tasks import sweep_leases
+
+    project = project_ensure(name="budgets")
+    root = run_create(project_id=project.id)
+    budget = budget_create(project_id=project.id, run_id=root.id, name="usd", limit=100)
+    kept = reservation_create(project_id=project.id, run_id=root.id, budget="usd", amount=5).reservation
+    due = reservation_create(project_id=project.id, run_id=root.id, budget="usd", amount=30, ttl_ms=1).reservation
+    BudgetReservation.objects.filter(id=due.id).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert sweep_leases() >= 1
+    due.refresh_from_db()
+    kept.refresh_from_db()
+    budget.refresh_from_db()
+    assert (due.state, kept.state, budget.reserved) == (ReservationState.EXPIRED, ReservationState.RESERVED, 5)
