@@ -146,7 +146,9 @@ def reservation_create(
                     type="budget.exhausted",
                     run_id=run.id,
                     run_path=run.path,
-                    subject_id=tightest.id,
+                    # The event is visible to keys bound at this run, which must not learn
+                    # about budgets above it: an ancestor's budget is not named.
+                    subject_id=tightest.id if tightest.run_id == run.id else "",
                     data={"budget": budget, "amount": amount, "remaining": tightest.remaining},
                 )
             ]
@@ -168,7 +170,7 @@ def reservation_create(
     except IntegrityError:  # pragma: no cover - the budget locks above serialize same-key reservations
         raise exceptions.KeyConflict(key=key) from None
     reservation.budgets.set(budgets)
-    events_record_many([_event(reservation, "budget.reserved", amount=amount, budgetIds=[str(b.id) for b in budgets])])
+    events_record_many([_event(reservation, "budget.reserved", amount=amount)])
     return ReserveOutcome(reservation=reservation, created=True)
 
 
