@@ -2,6 +2,7 @@
 
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db import connection
@@ -150,3 +151,12 @@ def test_permissions(project, run):
     err(take(reader, run), 403, "PERMISSION_DENIED")
     assert take(writer, run).status_code == 200
     assert reader.get("/v1/quotas/openai").status_code == 200
+
+
+def test_a_waiting_take_is_answered_with_deadline_exceeded_when_the_runs_deadline_passes(api):
+    deadline = (datetime.now(UTC) + timedelta(seconds=1.5)).isoformat()
+    run = api.post("/v1/runs", {"deadline": deadline}, format="json").json()
+    put(api, limit=1, period_ms=20_000)
+    take(api, run)
+    # The token is 20 s away, within the wait: the take waits, and re-checks the run meanwhile.
+    err(take(api, run, waitMs=25_000), 409, "DEADLINE_EXCEEDED")
