@@ -20,7 +20,8 @@ class Quota(models.Model):
     """
 
     id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
-    project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+")
+    # No index of its own: quota_project_name leads with it.
+    project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+", db_index=False)
     name = models.CharField(max_length=200)
     limit = models.BigIntegerField()
     period_ms = models.BigIntegerField()
@@ -48,7 +49,8 @@ class Budget(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+")
-    run = models.ForeignKey("coordination.Run", on_delete=models.PROTECT, related_name="budgets")
+    # No index of its own: budget_run_name leads with it.
+    run = models.ForeignKey("coordination.Run", on_delete=models.PROTECT, related_name="budgets", db_index=False)
     run_path = models.TextField(editable=False)
     name = models.CharField(max_length=200)
     limit = models.BigIntegerField()
