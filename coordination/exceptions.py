@@ -157,3 +157,13 @@ class ServiceUnavailable(CoordinationError):
     code = "SERVICE_UNAVAILABLE"
     http_status = 503
     default_message = "A dependency of the service is unavailable."
+
+
+class QuotaExhausted(Conflict):
+    code = "QUOTA_EXHAUSTED"
+    default_message = "The quota does not hold the tokens asked for."
+
+
+class BudgetExhausted(Conflict):
+    code = "BUDGET_EXHAUSTED"
+    default_message = "A budget on the run's chain lacks room for the amount."

@@ -16,7 +16,7 @@ from django.utils.dateparse import parse_datetime
 
 from coordination import exceptions
 from coordination.ids import path_ids
-from coordination.models import Barrier, Event, Mailbox, Message, Run, Task, TaskGroup, Timer
+from coordination.models import Barrier, Budget, BudgetReservation, Event, Mailbox, Message, Run, Task, TaskGroup, Timer
 from coordination.services.locking import chain_refusal
 from coordination.states import Effective, InactiveReason
 
@@ -413,3 +413,20 @@ def admission_get(visibility: Visibility, admission_id: object):
     if admission is None or not visibility.sees_path(admission.parent_path):
         raise exceptions.NotFound("Admission not found.", admissionId=str(admission_id))
     return admission
+
+
+def budget_get(visibility: Visibility, budget_id: object) -> Budget:
+    """Return a visible budget, or raise ``NotFound``."""
+    budget = Budget.objects.filter(project_id=visibility.project_id, id=parse_id(budget_id, what="Budget")).first()
+    if budget is None or not visibility.sees_path(budget.run_path):
+        raise exceptions.NotFound("Budget not found.", budgetId=str(budget_id))
+    return budget
+
+
+def reservation_get(visibility: Visibility, reservation_id: object) -> BudgetReservation:
+    """Return a visible budget reservation, or raise ``NotFound``."""
+    parsed = parse_id(reservation_id, what="Reservation")
+    reservation = BudgetReservation.objects.filter(project_id=visibility.project_id, id=parsed).first()
+    if reservation is None or not visibility.sees_path(reservation.run_path):
+        raise exceptions.NotFound("Reservation not found.", reservationId=str(reservation_id))
+    return reservation

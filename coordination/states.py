@@ -129,6 +129,8 @@ class AdmissionState(models.TextChoices):
     ADMITTED = "ADMITTED"  # its child run was created (final: the child's own end frees the slot)
     WITHDRAWN = "WITHDRAWN"  # left the queue on the caller's request
     CANCELLED = "CANCELLED"  # answered with a refusal code (the parent went inactive, or its run could not be made)
+
+
 class PoolLeaseState(models.TextChoices):
     """A pool request's lifecycle; written only by ``coordination.services.pools``."""
 
@@ -141,3 +143,12 @@ class PoolLeaseState(models.TextChoices):
 
 
 POOL_LEASE_OPEN = (PoolLeaseState.WAITING, PoolLeaseState.HELD)
+
+
+class ReservationState(models.TextChoices):
+    """A budget reservation's state; written only by ``coordination.services.budgets``."""
+
+    RESERVED = "RESERVED"  # its amount is held on every budget of its name on the run's chain
+    COMMITTED = "COMMITTED"  # what was spent is recorded, the rest handed back
+    RELEASED = "RELEASED"  # handed back whole
+    EXPIRED = "EXPIRED"  # unsettled after its ttl: the sweep handed it back whole

@@ -11,6 +11,7 @@ classes below, all subclasses of ``RunstateError``. This package imports nothing
 """
 
 from runstate._async.admissions import AsyncAdmission, AsyncAdmissions
+from runstate._async.budgets import AsyncBudget, AsyncBudgets, AsyncReservation
 from runstate._async.client import AsyncEvents, AsyncMailboxes, AsyncRunstate
 from runstate._async.clock import AsyncBarrier, AsyncBarriers, AsyncTimer, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker
@@ -18,6 +19,7 @@ from runstate._async.consume_messages import AsyncMessageHandler, AsyncMessageWo
 from runstate._async.groups import AsyncGroup, AsyncGroups
 from runstate._async.hold import AsyncHold, AsyncHoldContext
 from runstate._async.pools import AsyncPoolAcquire, AsyncPoolLease, AsyncPools
+from runstate._async.quotas import AsyncQuotas
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncMessages, AsyncTasks, AsyncTicket
 from runstate._batch import ClaimResult, TaskItem
@@ -41,6 +43,7 @@ from runstate._errors import (
 )
 from runstate._message_worker import AsyncMessageContext, MessageContext, MessageSummary, Reject
 from runstate._sync.admissions import Admission, Admissions
+from runstate._sync.budgets import Budget, Budgets, Reservation
 from runstate._sync.client import Events, Mailboxes, Runstate
 from runstate._sync.clock import Barrier, Barriers, Timer, Timers
 from runstate._sync.consume import Handler, Worker
@@ -48,6 +51,7 @@ from runstate._sync.consume_messages import MessageHandler, MessageWorker
 from runstate._sync.groups import Group, Groups
 from runstate._sync.hold import Hold, HoldContext
 from runstate._sync.pools import PoolAcquire, PoolLease, Pools
+from runstate._sync.quotas import Quotas
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Claim, Delivery, Messages, Tasks, Ticket
 from runstate._worker import AsyncTaskContext, CancellationRequested, ConsumeSummary, TaskContext
@@ -59,6 +63,14 @@ __all__ = [
     "Admissions",
     "AsyncAdmission",
     "AsyncAdmissions",
+    "AsyncBudget",
+    "AsyncBudgets",
+    "AsyncQuotas",
+    "AsyncReservation",
+    "Budget",
+    "Budgets",
+    "Quotas",
+    "Reservation",
     "AsyncBarrier",
     "AsyncBarriers",
     "AsyncClaim",

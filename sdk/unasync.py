@@ -18,7 +18,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "runstate" / "_async"
 TARGET = ROOT / "runstate" / "_sync"
-MODULES = ["http.py", "work.py", "groups.py", "clock.py", "runs.py", "client.py", "admissions.py"]
+MODULES = [
+    "http.py",
+    "work.py",
+    "groups.py",
+    "clock.py",
+    "runs.py",
+    "client.py",
+    "admissions.py",
+    "quotas.py",
+    "budgets.py",
+]
 
 # Applied in order. Word boundaries keep names like ``asyncio`` intact.
 SUBSTITUTIONS: list[tuple[str, str]] = [

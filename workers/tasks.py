@@ -91,12 +91,18 @@ def sweep_timers() -> int:
 
 @shared_task(name="runstate.sweep_leases", ignore_result=True)
 def sweep_leases() -> int:
-    """Return expired leases to the queue (or fail them); finalize cancellations whose lease or grace ran out."""
+    """Settle expired leases and cancel graces; expire budget reservations past their ttl."""
+    from coordination.services.budgets import reservations_expire_due
     from coordination.services.messages import messages_cancel_orphaned_in_flight
     from coordination.services.pools import pools_settle_due
     from coordination.services.sweeps import tasks_settle_expired_leases
 
-    return _drain(tasks_settle_expired_leases) + _drain(messages_cancel_orphaned_in_flight) + _drain(pools_settle_due)
+    return (
+        _drain(tasks_settle_expired_leases)
+        + _drain(messages_cancel_orphaned_in_flight)
+        + _drain(pools_settle_due)  # pool leases past their expiry free their units and grant waiters
+        + _drain(reservations_expire_due)  # budget reservations past their ttl hand their amounts back
+    )
 
 
 @shared_task(name="runstate.sweep_deadlines", ignore_result=True)

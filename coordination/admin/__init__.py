@@ -9,6 +9,7 @@ from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
+from .limits import BudgetAdmin, BudgetReservationAdmin, QuotaAdmin
 from .pools import PoolAdmin, PoolLeaseAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
@@ -17,6 +18,9 @@ from .work import MailboxAdmin, MessageAdmin, TaskAdmin
 __all__ = [
     "AdmissionAdmin",
     "AdmissionConfigAdmin",
+    "BudgetAdmin",
+    "BudgetReservationAdmin",
+    "QuotaAdmin",
     "ApiKeyAdmin",
     "BarrierAdmin",
     "EventAdmin",

@@ -3,7 +3,21 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from coordination.api.views import admissions, clock, events, groups, health, messages, metrics, pools, runs, stream, work
+from coordination.api.views import (
+    admissions,
+    budgets,
+    clock,
+    events,
+    groups,
+    health,
+    messages,
+    metrics,
+    pools,
+    quotas,
+    runs,
+    stream,
+    work,
+)
 
 urlpatterns = [
     path("healthz", health.HealthView.as_view(), name="healthz"),
@@ -70,4 +84,24 @@ urlpatterns = [
     path("pool-leases/<str:lease_id>", pools.PoolLeaseDetailView.as_view(), name="pool-lease-detail"),
     path("pool-leases/<str:lease_id>/renew", pools.PoolLeaseRenewView.as_view(), name="pool-lease-renew"),
     path("pool-leases/<str:lease_id>/release", pools.PoolLeaseReleaseView.as_view(), name="pool-lease-release"),
+    path("quotas/<str:name>", quotas.QuotaView.as_view(), name="quota"),
+    path("quotas/<str:name>/take", quotas.QuotaTakeView.as_view(), name="quota-take"),
+    path("runs/<str:run_id>/budgets", budgets.RunBudgetsView.as_view(), name="run-budgets"),
+    path("budgets/<str:budget_id>", budgets.BudgetDetailView.as_view(), name="budget-detail"),
+    path("budget-reservations", budgets.ReservationCollectionView.as_view(), name="budget-reservations"),
+    path(
+        "budget-reservations/<str:reservation_id>",
+        budgets.ReservationDetailView.as_view(),
+        name="budget-reservation-detail",
+    ),
+    path(
+        "budget-reservations/<str:reservation_id>/commit",
+        budgets.ReservationCommitView.as_view(),
+        name="budget-reservation-commit",
+    ),
+    path(
+        "budget-reservations/<str:reservation_id>/release",
+        budgets.ReservationReleaseView.as_view(),
+        name="budget-reservation-release",
+    ),
 ]

@@ -27,11 +27,12 @@ from coordination.api.sse import event_frames, event_stream_response
 from coordination.dashboard import selectors
 from coordination.dashboard.admissions import admission_lines
 from coordination.dashboard.charts import stacked_bars
+from coordination.dashboard.limits import quota_budget_rows
 from coordination.models import Event, Project, Task
 from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
 from coordination.stuck_cancellations import stuck_cancellations
 
-PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck", "admissions", "pools")
+PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck", "admissions", "pools", "quotas_budgets")
 THROUGHPUT_COLORS = {"succeeded": "#2e7d32", "failed": "#c62828", "cancelled": "#f9a825", "expired": "#6d4c41"}
 DECISION_COLORS = {"SUCCESS": "#2e7d32", "FAILURE": "#c62828"}
 # Events the stream reads per project per round trip.
@@ -179,6 +180,7 @@ def _panel_context(request) -> dict:
         "stuck": _stuck_rows(project, now),
         "admission_lines": admission_lines(project_id),
         "pools": _pool_rows(project),
+        "quotas_budgets": quota_budget_rows(project_id),
     }
 
 

@@ -23,7 +23,7 @@ def drop_busy_path_index(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("coordination", "0010_pools"),
+        ("coordination", "0011_quotas_budgets"),
     ]
 
     operations = [

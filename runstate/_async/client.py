@@ -7,10 +7,12 @@ from typing import Any, Self
 
 import httpx
 
+from runstate._async.budgets import AsyncBudgets
 from runstate._async.clock import AsyncBarriers, AsyncTimers
 from runstate._async.groups import AsyncGroups
 from runstate._async.http import AsyncHttp
 from runstate._async.pools import AsyncPools
+from runstate._async.quotas import AsyncQuotas
 from runstate._async.runs import AsyncScope, AsyncScopes
 from runstate._async.work import AsyncMessages, AsyncTasks
 from runstate._config import ClientConfig, JsonDict, compact, csv, default_scope_id, segment
@@ -156,6 +158,8 @@ class AsyncRunstate:
         self.barriers = AsyncBarriers(self._http, None)
         self.timers = AsyncTimers(self._http, None)
         self.pools = AsyncPools(self._http)
+        self.quotas = AsyncQuotas(self._http)
+        self.budgets = AsyncBudgets(self._http, None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.config.base_url}>"

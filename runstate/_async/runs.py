@@ -4,6 +4,7 @@ from datetime import datetime
 from typing import Any
 
 from runstate._async.admissions import AsyncAdmissions
+from runstate._async.budgets import AsyncBudgets
 from runstate._async.clock import AsyncBarriers, AsyncTimers
 from runstate._async.consume import AsyncHandler, AsyncWorker, ConsumeSummary
 from runstate._async.consume_messages import AsyncMessageHandler, AsyncMessageWorker, MessageSummary
@@ -31,6 +32,7 @@ class AsyncScope:
         self.tasks = AsyncTasks(http, run_id)
         self.messages = AsyncMessages(http, run_id)
         self.admissions = AsyncAdmissions(http, run_id)
+        self.budgets = AsyncBudgets(http, run_id)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"

@@ -9,10 +9,12 @@ from typing import Any, Self
 import httpx
 
 from runstate._config import ClientConfig, JsonDict, compact, csv, default_scope_id, segment
+from runstate._sync.budgets import Budgets
 from runstate._sync.clock import Barriers, Timers
 from runstate._sync.groups import Groups
 from runstate._sync.http import Http
 from runstate._sync.pools import Pools
+from runstate._sync.quotas import Quotas
 from runstate._sync.runs import Scope, Scopes
 from runstate._sync.work import Messages, Tasks
 
@@ -157,6 +159,8 @@ class Runstate:
         self.barriers = Barriers(self._http, None)
         self.timers = Timers(self._http, None)
         self.pools = Pools(self._http)
+        self.quotas = Quotas(self._http)
+        self.budgets = Budgets(self._http, None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.config.base_url}>"

@@ -6,6 +6,7 @@ from typing import Any
 
 from runstate._config import JsonDict, compact, segment, wire_time
 from runstate._sync.admissions import Admissions
+from runstate._sync.budgets import Budgets
 from runstate._sync.clock import Barriers, Timers
 from runstate._sync.consume import ConsumeSummary, Handler, Worker
 from runstate._sync.consume_messages import MessageHandler, MessageSummary, MessageWorker
@@ -32,6 +33,7 @@ class Scope:
         self.tasks = Tasks(http, run_id)
         self.messages = Messages(http, run_id)
         self.admissions = Admissions(http, run_id)
+        self.budgets = Budgets(http, run_id)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"

@@ -91,7 +91,18 @@ def test_the_panels_show_opened_runs_with_their_effective_state(admin_client, pr
     response = admin_client.get(PANELS, {"expanded": str(root.id)})
     assert response.status_code == 200
     panels = response.json()["panels"]
-    assert set(panels) == {"counts", "queues", "leases", "groups", "charts", "tree", "stuck", "admissions", "pools"}
+    assert set(panels) == {
+        "counts",
+        "queues",
+        "leases",
+        "groups",
+        "charts",
+        "tree",
+        "stuck",
+        "admissions",
+        "pools",
+        "quotas_budgets",
+    }
     tree = panels["tree"]
     node = re.search(rf'<li class="rs-node" data-run="{child.id}".*?</li>', tree, re.S).group(0)
     assert "INACTIVE: CANCELLED" in text_of(node) and "swarm" in text_of(node)  # why, and which run

@@ -1,10 +1,12 @@
 /** `Runstate`: the client and its top-level namespaces. */
 
+import { Budgets } from './budgets.js';
 import { Barriers, Timers } from './clock.js';
 import { TransportError } from './errors.js';
 import { Groups } from './groups.js';
 import { Http, MAX_SERVER_WAIT_MS, buildConfig, compact, segment, sleep, type ClientConfig, type RunstateOptions } from './http.js';
 import { Pools } from './pools.js';
+import { Quotas } from './quotas.js';
 import { Scope, Scopes } from './scopes.js';
 import type { EventData, EventPage, Mailbox, MailboxMode } from './types.js';
 import { Messages, Tasks } from './work.js';
@@ -136,6 +138,8 @@ export class Runstate {
   readonly barriers: Barriers;
   readonly timers: Timers;
   readonly pools: Pools;
+  readonly quotas: Quotas;
+  readonly budgets: Budgets;
   private readonly http: Http;
 
   constructor(options: RunstateOptions = {}) {
@@ -150,6 +154,8 @@ export class Runstate {
     this.barriers = new Barriers(this.http, null);
     this.timers = new Timers(this.http, null);
     this.pools = new Pools(this.http);
+    this.quotas = new Quotas(this.http);
+    this.budgets = new Budgets(this.http, null);
   }
 
   /** Return a handle on the run `scopeId` (default `RUNSTATE_SCOPE_ID`); no request is sent. */

@@ -17,6 +17,7 @@ export {
   type AdmissionRequestOptions,
   type AdmissionState,
 } from './admissions.js';
+export { Budget, Budgets, Reservation, type BudgetData, type ReservationData, type ReserveOptions } from './budgets.js';
 export { Events, Mailboxes, Runstate, type EventFilter } from './client.js';
 export { Barrier, Barriers, Timer, Timers, type ArmedTimer, type FiredTimer } from './clock.js';
 export {
@@ -49,6 +50,7 @@ export {
   type PoolLeaseState,
 } from './pools.js';
 export { SDK_VERSION, type ClientConfig, type RunstateOptions } from './http.js';
+export { Quotas, type QuotaData, type QuotaTake, type QuotaTakeOptions } from './quotas.js';
 export { Scope, Scopes, type RunCreateOptions } from './scopes.js';
 export type * from './types.js';
 export {

@@ -1,6 +1,7 @@
 /** Runs (scopes): `rs.scopes.create`, `rs.scope(id)` and the run handle. */
 
 import { Admissions } from './admissions.js';
+import { Budgets } from './budgets.js';
 import { Barriers, Timers } from './clock.js';
 import { Groups } from './groups.js';
 import { Http, compact, segment, wireTime } from './http.js';
@@ -32,6 +33,7 @@ export class Scope {
   readonly tasks: Tasks;
   readonly messages: Messages;
   readonly admissions: Admissions;
+  readonly budgets: Budgets;
 
   constructor(
     private readonly http: Http,
@@ -46,6 +48,7 @@ export class Scope {
     this.tasks = new Tasks(http, id);
     this.messages = new Messages(http, id);
     this.admissions = new Admissions(http, id);
+    this.budgets = new Budgets(http, id);
   }
 
   private get path(): string {
