@@ -25,15 +25,8 @@ from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncDelivery, AsyncMessages
 from runstate._config import JsonDict, segment
 from runstate._errors import LeaseLostError, NotFoundError, RunstateError, ScopeInactiveError, TransportError
-from runstate._worker import (
-    CLAIM_BACKOFF_MAX_S,
-    CLAIM_BACKOFF_S,
-    IDLE_PAUSE_S,
-    MIN_RENEW_INTERVAL_S,
-    TRANSIENT,
-    _Signal,
-    _sigterm_stops,
-)
+from runstate._loop import TRANSIENT, FetchLoop
+from runstate._worker import MIN_RENEW_INTERVAL_S, _Signal, _sigterm_stops
 
 logger = logging.getLogger("runstate.worker")
 
@@ -137,7 +130,7 @@ class _Held:
         return self.handler is not None and not self.handler.done()
 
 
-class MessageEngine:
+class MessageEngine(FetchLoop[MessageSummary]):
     """One message loop on one run and QUEUE mailbox."""
 
     def __init__(
@@ -160,6 +153,7 @@ class MessageEngine:
             raise ValueError("concurrency must be >= 1")
         if not 0 < extend_fraction < 1:
             raise ValueError("extend_fraction must be between 0 and 1")
+        super().__init__()
         self._http = http
         self._messages = AsyncMessages(http, run_id)
         self.run_id = run_id
@@ -175,40 +169,17 @@ class MessageEngine:
         self.handle_signals = handle_signals
         self.summary = MessageSummary()
         self._held: dict[str, _Held] = {}
-        self._stop_requested = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_event: asyncio.Event | None = None
-        self._changed: asyncio.Event | None = None
         self._visibility_ms = 30_000
-
-    def stop(self) -> None:
-        """Stop receiving; running handlers get ``drain_timeout`` to finish. Safe from any thread."""
-        self._stop_requested = True
-        loop, event = self._loop, self._stop_event
-        if loop is None or event is None or loop.is_closed():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            event.set()
-        else:
-            loop.call_soon_threadsafe(event.set)
 
     async def run(self) -> MessageSummary:
         """Work until the run refuses work or ``stop()``; return the summary."""
-        self._loop = asyncio.get_running_loop()
-        self._stop_event = asyncio.Event()
-        self._changed = asyncio.Event()
-        if self._stop_requested:
-            self._stop_event.set()
+        loop = self._begin()
         if self.visibility_ms is None:
             mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
             self._visibility_ms = int(mailbox["leaseTtlMs"])
         else:
             self._visibility_ms = self.visibility_ms
-        with _sigterm_stops(self, self._loop):
+        with _sigterm_stops(self, loop):
             try:
                 await self._receive_loop()
             except BaseException:
@@ -220,70 +191,14 @@ class MessageEngine:
     # Receiving --------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
-        assert self._stop_event is not None and self._changed is not None
-        failures = 0
-        while not self._stop_event.is_set():
-            self._changed.clear()
-            free = self.concurrency - sum(1 for held in self._held.values() if held.running())
-            if free <= 0:
-                await self._first_of(self._changed.wait())
-                continue
-            call = asyncio.ensure_future(
-                self._messages.receive(
-                    self.mailbox,
-                    max=min(free, MAX_DELIVERIES_PER_CALL),
-                    visibility_ms=self._visibility_ms,
-                    wait_ms=self.receive_wait_ms,
-                )
+        def receive(free: int) -> Awaitable[list[AsyncDelivery]]:
+            return self._messages.receive(
+                self.mailbox, max=free, visibility_ms=self._visibility_ms, wait_ms=self.receive_wait_ms
             )
-            try:
-                await self._first_of(call)
-            finally:
-                if not call.done():
-                    # Stopping mid-wait: a message the abandoned answer carried comes back
-                    # once its visibility runs out.
-                    call.cancel()
-            if not call.done() or call.cancelled():
-                return
-            error = call.exception()
-            if error is None:
-                failures = 0
-                deliveries = call.result()
-                if self._stop_event.is_set():
-                    await asyncio.gather(*(self._hand_back(delivery) for delivery in deliveries))
-                    return
-                for delivery in deliveries:
-                    self._start(delivery)
-                if not deliveries and self.receive_wait_ms < IDLE_PAUSE_S * 1000:
-                    await self._first_of(asyncio.sleep(IDLE_PAUSE_S))
-            elif isinstance(error, ScopeInactiveError):
-                logger.info("run %s refuses work (%s): stopping", self.run_id, error.code)
-                self.summary.stop_reason = error.code
-                for held in list(self._held.values()):
-                    self._lose(held, "scope_refused")
-                return
-            elif isinstance(error, TRANSIENT):
-                failures += 1
-                pause = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
-                logger.warning("receive on %s failed (%s); retrying in %.1f s", self.mailbox, error, pause)
-                await self._first_of(asyncio.sleep(pause))
-            else:
-                raise error
-        self.summary.stop_reason = self.summary.stop_reason or "stopped"
 
-    async def _first_of(self, awaitable: Awaitable[Any]) -> None:
-        """Wait for ``awaitable`` or a stop request, whichever comes first."""
-        assert self._stop_event is not None
-        inner = asyncio.ensure_future(awaitable)
-        stop = asyncio.ensure_future(self._stop_event.wait())
-        try:
-            await asyncio.wait({inner, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not inner.done() and not isinstance(awaitable, asyncio.Future):
-                inner.cancel()
-        if self._stop_event.is_set():
-            self.summary.stop_reason = self.summary.stop_reason or "stopped"
+        await self._fetch_loop(
+            receive, self._hand_back, max_per_call=MAX_DELIVERIES_PER_CALL, wait_ms=self.receive_wait_ms, verb="receive"
+        )
 
     # Running one message ----------------------------------------------------------------
 
@@ -294,10 +209,6 @@ class MessageEngine:
         held.handler.add_done_callback(self._slot_freed)
         self._held[delivery.id] = held
         held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-message-{delivery.message_id}")
-
-    def _slot_freed(self, _: object) -> None:
-        if self._changed is not None:
-            self._changed.set()
 
     def _lose(self, held: _Held, reason: str) -> None:
         """Mark the delivery lost: trip the context and cancel the handler (its result can no longer count)."""

@@ -33,25 +33,16 @@ from runstate._config import JsonDict, segment
 from runstate._errors import (
     LeaseLostError,
     NotFoundError,
-    RateLimitedError,
     RunstateError,
     ScopeInactiveError,
-    ServerError,
-    ServiceUnavailableError,
     TransportError,
 )
+from runstate._loop import TRANSIENT, FetchLoop
 
 logger = logging.getLogger("runstate.worker")
 
-# Failures a worker rides out (with backoff) rather than stopping for.
-TRANSIENT = (TransportError, ServiceUnavailableError, RateLimitedError, ServerError)
-# How long to pause after a transient claim failure: doubles per failure up to the cap.
-CLAIM_BACKOFF_S = 0.5
-CLAIM_BACKOFF_MAX_S = 15.0
 # A renewal must leave room to reach the server before the lease runs out.
 MIN_RENEW_INTERVAL_S = 0.05
-# With a short (or no) claim long-poll, pause this long after an empty answer instead of spinning.
-IDLE_PAUSE_S = 0.5
 # The server's cap on ``max`` of one claim call.
 MAX_CLAIMS_PER_CALL = 100
 # Buffered completions are sent when this many wait, or when the oldest has waited this long.
@@ -461,7 +452,7 @@ def _sigterm_stops(engine: Stoppable, loop: asyncio.AbstractEventLoop) -> Iterat
                 signal.signal(signal.SIGTERM, previous)
 
 
-class Engine:
+class Engine(FetchLoop[ConsumeSummary]):
     """One worker loop on one run and mailbox."""
 
     def __init__(
@@ -484,6 +475,7 @@ class Engine:
             raise ValueError("concurrency must be >= 1")
         if not 0 < renew_fraction < 1:
             raise ValueError("renew_fraction must be between 0 and 1")
+        super().__init__()
         self._http = http
         self._tasks = AsyncTasks(http, run_id)
         self.run_id = run_id
@@ -499,37 +491,12 @@ class Engine:
         self.handle_signals = handle_signals
         self.summary = ConsumeSummary()
         self._held: dict[str, _Held] = {}
-        self._stop_requested = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_event: asyncio.Event | None = None
-        self._changed: asyncio.Event | None = None
         self._ttl_s = 30.0
         self._completer = _Completer(self._tasks)
 
-    # Control ----------------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Stop claiming; running handlers get ``drain_timeout`` to finish. Safe from any thread."""
-        self._stop_requested = True
-        loop, event = self._loop, self._stop_event
-        if loop is None or event is None or loop.is_closed():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            event.set()
-        else:
-            loop.call_soon_threadsafe(event.set)
-
     async def run(self) -> ConsumeSummary:
         """Work until the run refuses work or ``stop()``; return the summary."""
-        self._loop = asyncio.get_running_loop()
-        self._stop_event = asyncio.Event()
-        self._changed = asyncio.Event()
-        if self._stop_requested:
-            self._stop_event.set()
+        loop = self._begin()
         ttl_ms = self.lease_ttl_ms
         if ttl_ms is None:
             mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
@@ -538,7 +505,7 @@ class Engine:
         self._completer = _Completer(self._tasks)
         self._completer.start()
         renewer = asyncio.create_task(self._renew_loop(), name="runstate-renew")
-        with _sigterm_stops(self, self._loop):
+        with _sigterm_stops(self, loop):
             try:
                 try:
                     await self._claim_loop()
@@ -556,72 +523,18 @@ class Engine:
     # Claiming ---------------------------------------------------------------------------
 
     async def _claim_loop(self) -> None:
-        assert self._stop_event is not None and self._changed is not None
-        failures = 0
-        while not self._stop_event.is_set():
-            self._changed.clear()
-            # A slot frees when its handler returns: the next claim need not wait for the record.
-            free = self.concurrency - sum(1 for held in self._held.values() if held.running())
-            if free <= 0:
-                await self._first_of(self._changed.wait())
-                continue
-            call = asyncio.ensure_future(
-                self._tasks.claim(
-                    self.mailbox,
-                    max=min(free, MAX_CLAIMS_PER_CALL),
-                    wait_ms=self.claim_wait_ms,
-                    lease_ttl_ms=self.lease_ttl_ms,
-                    worker_id=self.worker_id,
-                )
+        def claim(free: int) -> Awaitable[list[AsyncClaim]]:
+            return self._tasks.claim(
+                self.mailbox,
+                max=free,
+                wait_ms=self.claim_wait_ms,
+                lease_ttl_ms=self.lease_ttl_ms,
+                worker_id=self.worker_id,
             )
-            try:
-                await self._first_of(call)
-            finally:
-                if not call.done():
-                    # Stopping mid-wait. The server may still hand out a task the answer
-                    # to this abandoned request carried: its lease expires and it is taken over.
-                    call.cancel()
-            if not call.done() or call.cancelled():
-                return
-            error = call.exception()
-            if error is None:
-                failures = 0
-                claims = call.result()
-                if self._stop_event.is_set():
-                    await asyncio.gather(*(self._release(claim) for claim in claims))
-                    return
-                for claim in claims:
-                    self._start(claim)
-                if not claims and self.claim_wait_ms < IDLE_PAUSE_S * 1000:
-                    await self._first_of(asyncio.sleep(IDLE_PAUSE_S))
-            elif isinstance(error, ScopeInactiveError):
-                logger.info("run %s refuses work (%s): stopping", self.run_id, error.code)
-                self.summary.stop_reason = error.code
-                for held in list(self._held.values()):
-                    self._lose(held, "scope_refused")
-                return
-            elif isinstance(error, TRANSIENT):
-                failures += 1
-                pause = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
-                logger.warning("claim on %s failed (%s); retrying in %.1f s", self.mailbox, error, pause)
-                await self._first_of(asyncio.sleep(pause))
-            else:
-                raise error
-        self.summary.stop_reason = self.summary.stop_reason or "stopped"
 
-    async def _first_of(self, awaitable: Awaitable[Any]) -> None:
-        """Wait for ``awaitable`` or a stop request, whichever comes first."""
-        assert self._stop_event is not None
-        inner = asyncio.ensure_future(awaitable)
-        stop = asyncio.ensure_future(self._stop_event.wait())
-        try:
-            await asyncio.wait({inner, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not inner.done() and not isinstance(awaitable, asyncio.Future):
-                inner.cancel()
-        if self._stop_event.is_set():
-            self.summary.stop_reason = self.summary.stop_reason or "stopped"
+        await self._fetch_loop(
+            claim, self._release, max_per_call=MAX_CLAIMS_PER_CALL, wait_ms=self.claim_wait_ms, verb="claim"
+        )
 
     # Running one task -------------------------------------------------------------------
 
@@ -635,10 +548,6 @@ class Engine:
         held.handler.add_done_callback(self._slot_freed)
         self._held[claim.id] = held
         held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-task-{claim.task_id}")
-
-    def _slot_freed(self, _: object) -> None:
-        if self._changed is not None:
-            self._changed.set()
 
     def _lose(self, held: _Held, reason: str) -> None:
         """Mark the claim lost: set the signal and cancel the handler (its result can no longer count)."""

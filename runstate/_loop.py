@@ -1,0 +1,163 @@
+"""What the task loop (``consume``) and the message loop (``consume_messages``) share.
+
+Both fetch work in batches sized to their free slots (claims or deliveries), long-poll for
+it, back off on transport errors, stop when the run refuses work or on ``stop()``, and hand
+back what arrives after a stop. ``FetchLoop`` is that skeleton; each engine says how to
+fetch, start and hand back one item, and owns everything about running it.
+"""
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from runstate._errors import (
+    RateLimitedError,
+    ScopeInactiveError,
+    ServerError,
+    ServiceUnavailableError,
+    TransportError,
+)
+
+logger = logging.getLogger("runstate.worker")
+
+# Failures a worker rides out (with backoff) rather than stopping for.
+TRANSIENT = (TransportError, ServiceUnavailableError, RateLimitedError, ServerError)
+# How long to pause after a transient fetch failure: doubles per failure up to the cap.
+CLAIM_BACKOFF_S = 0.5
+CLAIM_BACKOFF_MAX_S = 15.0
+# With a short (or no) long-poll, pause this long after an empty answer instead of spinning.
+IDLE_PAUSE_S = 0.5
+
+
+class _Summary(Protocol):
+    stop_reason: str
+
+
+class FetchLoop[SummaryT: _Summary]:
+    """The fetch-and-dispatch skeleton of a worker loop, and its stop control.
+
+    A subclass sets ``run_id``, ``mailbox``, ``concurrency``, ``summary`` (with a
+    ``stop_reason``) and ``_held`` (items by id, each with ``running()``), and implements
+    ``_start(item)`` and ``_lose(held, reason)``.
+    """
+
+    run_id: str
+    mailbox: str
+    concurrency: int
+    summary: SummaryT
+    _held: dict[str, Any]
+
+    def __init__(self) -> None:
+        self._stop_requested = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+
+    def stop(self) -> None:
+        """Stop fetching; running handlers get ``drain_timeout`` to finish. Safe from any thread."""
+        self._stop_requested = True
+        loop, event = self._loop, self._stop_event
+        if loop is None or event is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            event.set()
+        else:
+            loop.call_soon_threadsafe(event.set)
+
+    def _begin(self) -> asyncio.AbstractEventLoop:
+        """Bind the loop's events to the running event loop and return it (a ``stop()`` before ``run()`` counts)."""
+        self._loop = loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self._changed = asyncio.Event()
+        if self._stop_requested:
+            self._stop_event.set()
+        return loop
+
+    def _start(self, item: Any) -> None:
+        raise NotImplementedError
+
+    def _lose(self, held: Any, reason: str) -> None:
+        raise NotImplementedError
+
+    async def _fetch_loop(
+        self,
+        fetch: Callable[[int], Awaitable[Sequence[Any]]],
+        hand_back: Callable[[Any], Awaitable[None]],
+        *,
+        max_per_call: int,
+        wait_ms: int,
+        verb: str,
+    ) -> None:
+        """Fetch up to the free slots (``fetch(n)``) and start each item, until stopped or refused.
+
+        An item that arrives after a stop is handed back at once; a run refusing work loses
+        every held item (its signal is set) and ends the loop with the refusal's code.
+        """
+        assert self._stop_event is not None and self._changed is not None
+        failures = 0
+        while not self._stop_event.is_set():
+            self._changed.clear()
+            # A slot frees when its handler returns: the next fetch need not wait for the record.
+            free = self.concurrency - sum(1 for held in self._held.values() if held.running())
+            if free <= 0:
+                await self._first_of(self._changed.wait())
+                continue
+            call = asyncio.ensure_future(fetch(min(free, max_per_call)))
+            try:
+                await self._first_of(call)
+            finally:
+                if not call.done():
+                    # Stopping mid-wait. The server may still hand out an item the answer to
+                    # this abandoned request carried: its lease or visibility runs out and it
+                    # is handed out again.
+                    call.cancel()
+            if not call.done() or call.cancelled():
+                return
+            error = call.exception()
+            if error is None:
+                failures = 0
+                items = call.result()
+                if self._stop_event.is_set():
+                    await asyncio.gather(*(hand_back(item) for item in items))
+                    return
+                for item in items:
+                    self._start(item)
+                if not items and wait_ms < IDLE_PAUSE_S * 1000:
+                    await self._first_of(asyncio.sleep(IDLE_PAUSE_S))
+            elif isinstance(error, ScopeInactiveError):
+                logger.info("run %s refuses work (%s): stopping", self.run_id, error.code)
+                self.summary.stop_reason = error.code
+                for held in list(self._held.values()):
+                    self._lose(held, "scope_refused")
+                return
+            elif isinstance(error, TRANSIENT):
+                failures += 1
+                pause = min(CLAIM_BACKOFF_MAX_S, CLAIM_BACKOFF_S * 2 ** (failures - 1))
+                logger.warning("%s on %s failed (%s); retrying in %.1f s", verb, self.mailbox, error, pause)
+                await self._first_of(asyncio.sleep(pause))
+            else:
+                raise error
+        self.summary.stop_reason = self.summary.stop_reason or "stopped"
+
+    async def _first_of(self, awaitable: Awaitable[Any]) -> None:
+        """Wait for ``awaitable`` or a stop request, whichever comes first."""
+        assert self._stop_event is not None
+        inner = asyncio.ensure_future(awaitable)
+        stop = asyncio.ensure_future(self._stop_event.wait())
+        try:
+            await asyncio.wait({inner, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not inner.done() and not isinstance(awaitable, asyncio.Future):
+                inner.cancel()
+        if self._stop_event.is_set():
+            self.summary.stop_reason = self.summary.stop_reason or "stopped"
+
+    def _slot_freed(self, _: object) -> None:
+        if self._changed is not None:
+            self._changed.set()
