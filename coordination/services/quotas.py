@@ -33,8 +33,8 @@ from coordination.models.limits import MICRO
 from coordination.services import sql
 from coordination.services.events import event_row, events_record_many
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_refusal, run_chain_lock
+from coordination.services.mailboxes import NAME_PATTERN
 
-MAX_NAME_LENGTH = 200
 MAX_LIMIT = 10**12  # tokens; times MICRO it still fits a bigint
 MAX_PERIOD_MS = 366 * 24 * 3600 * 1000
 
@@ -61,8 +61,14 @@ def retry_after_ms(quota: Quota, level_micro: int, amount: int) -> int:
 
 
 def _check_name(name: str) -> None:
-    if not name or len(name) > MAX_NAME_LENGTH:
-        raise exceptions.ValidationFailed("Invalid quota name.", name=f"1 to {MAX_NAME_LENGTH} characters")
+    if not NAME_PATTERN.match(name or ""):
+        raise exceptions.ValidationFailed("Invalid quota name.", name="1-100 of A-Z a-z 0-9 . _ -")
+
+
+def _must_exist_by_name(name: str) -> None:
+    """Refuse a name no quota can have as ``NotFound`` before asking the database (which a NUL would fail)."""
+    if not NAME_PATTERN.match(name or ""):
+        raise exceptions.NotFound("Quota not found.", quota=name)
 
 
 @transaction.atomic
@@ -142,6 +148,7 @@ def quota_take(
     later than that is final and writes ``quota.exhausted``; an earlier one is retried by
     the caller after ``retry_after_ms``, without an event.
     """
+    _must_exist_by_name(name)
     if amount < 1:
         raise exceptions.ValidationFailed("Invalid amount.", amount="at least 1")
     if sql.fast_paths_enabled():
@@ -204,6 +211,7 @@ def _take_careful(
 
 def quota_get(*, project_id: uuid.UUID, name: str) -> Quota:
     """Return the project's quota ``name``, or raise ``NotFound``."""
+    _must_exist_by_name(name)
     quota = Quota.objects.filter(project_id=project_id, name=name).first()
     if quota is None:
         raise exceptions.NotFound("Quota not found.", quota=name)

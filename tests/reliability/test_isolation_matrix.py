@@ -9,10 +9,13 @@ import pytest
 from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
 from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
+from coordination.services.budgets import budget_create, reservation_create
 from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import message_receive, message_send
+from coordination.services.pools import pool_acquire, pool_put
+from coordination.services.quotas import quota_put
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
@@ -26,6 +29,8 @@ NO_FOREIGN_IDS = {
     "readyz": "no data",
     "metrics": "aggregate counters only, no ids",
     "mailboxes_ensure": "mailbox names are per project: ensuring B's name creates A's own mailbox",
+    "pools_put": "pool names are per project: putting B's name creates A's own pool",
+    "quotas_put": "quota names are per project: putting B's name creates A's own quota",
 }
 
 
@@ -54,7 +59,17 @@ def b(other_project):
         "barrier": str(barrier_create(project_id=pid, run_id=run.id, target=2).id),
         "timer": str(timer_create(project_id=pid, run_id=run.id, after_seconds=600).id),
         "admission": str(admission_request(project_id=pid, run_id=run.id).admission.id),
+        "lease": _pool_lease(pid, run.id),
+        "budget": str(budget_create(project_id=pid, run_id=run.id, name="usd", limit=100).id),
+        "reservation": str(reservation_create(project_id=pid, run_id=run.id, budget="usd", amount=1).reservation.id),
     }
+
+
+def _pool_lease(project_id, run_id) -> str:
+    """Project B's pool ``b-gpu`` (A has no pool of that name) and a lease held on it; also B's quota ``b-api``."""
+    pool_put(project_id=project_id, name="b-gpu", capacity=1)
+    quota_put(project_id=project_id, name="b-api", limit=10, period_ms=1000)
+    return str(pool_acquire(project_id=project_id, name="b-gpu", run_id=run_id).lease.id)
 
 
 @pytest.fixture
@@ -125,6 +140,24 @@ def cases(a, b):
         ("runs_admissions_create", "post", f"/v1/runs/{b['run']}/admissions", {}),
         ("admissions_retrieve", "get", f"/v1/admissions/{b['admission']}", None),
         ("admissions_withdraw", "post", f"/v1/admissions/{b['admission']}/withdraw", {}),
+        ("pools_retrieve", "get", "/v1/pools/b-gpu", None),
+        ("pools_acquire", "post", "/v1/pools/b-gpu/leases", {"runId": b["run"]}),
+        ("pool_leases_retrieve", "get", f"/v1/pool-leases/{b['lease']}", None),
+        ("pool_leases_renew", "post", f"/v1/pool-leases/{b['lease']}/renew", {}),
+        ("pool_leases_release", "post", f"/v1/pool-leases/{b['lease']}/release", {}),
+        ("quotas_retrieve", "get", "/v1/quotas/b-api", None),
+        ("quotas_take", "post", "/v1/quotas/b-api/take", {"runId": b["run"]}),
+        ("budgets_create", "post", f"/v1/runs/{b['run']}/budgets", {"name": "usd", "limit": 5}),
+        ("budgets_retrieve", "get", f"/v1/budgets/{b['budget']}", None),
+        (
+            "budget_reservations_create",
+            "post",
+            "/v1/budget-reservations",
+            {"runId": b["run"], "budget": "usd", "amount": 1},
+        ),
+        ("budget_reservations_retrieve", "get", f"/v1/budget-reservations/{b['reservation']}", None),
+        ("budget_reservations_commit", "post", f"/v1/budget-reservations/{b['reservation']}/commit", {"amount": 1}),
+        ("budget_reservations_release", "post", f"/v1/budget-reservations/{b['reservation']}/release", {}),
     ]
 
 
@@ -213,9 +246,14 @@ def test_a_key_bound_to_a_run_gets_404_outside_its_subtree(project, a, b):
         "barrier": str(barrier_create(project_id=pid, run_id=theirs.id, target=2).id),
         "timer": str(timer_create(project_id=pid, run_id=theirs.id, after_seconds=600).id),
         "admission": str(admission_request(project_id=pid, run_id=theirs.id).admission.id),
+        "lease": _pool_lease(pid, theirs.id),
+        "budget": str(budget_create(project_id=pid, run_id=theirs.id, name="usd", limit=100).id),
+        "reservation": str(reservation_create(project_id=pid, run_id=theirs.id, budget="usd", amount=1).reservation.id),
     }
     bound = make_client(project, run_id=mine.id)
-    skip = {"mailboxes_retrieve"}  # mailboxes belong to the project, not to a run
+    # Mailboxes, pools and quotas belong to the project, not to a run: a bound key reads them,
+    # and uses them only for runs of its subtree (pools_acquire, quotas_take are in the matrix).
+    skip = {"mailboxes_retrieve", "pools_retrieve", "quotas_retrieve"}
     for operation, method, path, body in cases({"group": str(own_group.id)}, outside):
         if operation in skip:
             continue
