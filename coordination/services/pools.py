@@ -402,9 +402,45 @@ def _lease_for_update(project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLease:
     return lease
 
 
-@transaction.atomic
+# The fast renewal: one statement that locks the lease's run chain FOR KEY SHARE (house order:
+# chain, then the lease row, as the careful path) and extends the lease only when it is HELD,
+# unexpired and the chain active. Expiry locks the lease row too, so one sees the other. A lost
+# lease, an inactive run or an unknown lease touches no row: the careful path answers why.
+RENEW_SQL = f"""
+WITH chain AS (
+    SELECT r.stored_state, r.deadline
+    FROM coordination_run r
+    WHERE r.id = ANY (string_to_array(rtrim(
+        (SELECT run_path FROM coordination_poollease WHERE id = %(lease_id)s AND project_id = %(project_id)s),
+        '/'), '/')::uuid[])
+    ORDER BY r.depth
+    FOR KEY SHARE OF r
+)
+UPDATE coordination_poollease l
+SET expires_at = %(now)s + COALESCE(%(ttl)s, l.lease_ttl_ms) * interval '1 millisecond',
+    lease_ttl_ms = COALESCE(%(ttl)s, l.lease_ttl_ms)
+WHERE l.id = %(lease_id)s AND l.project_id = %(project_id)s AND l.state = 'HELD' AND l.expires_at > %(now)s
+  AND (SELECT {CHAIN_ACTIVE_SQL} FROM chain)
+RETURNING {sql.columns(PoolLease, "l")}
+"""
+
+
 def pool_lease_renew(*, project_id: uuid.UUID, lease_id: uuid.UUID, lease_ttl_ms: int | None = None) -> PoolLease:
-    """Extend a held lease; ``LEASE_LOST`` once released or expired, the run's code once it is inactive."""
+    """Extend a held lease; ``LEASE_LOST`` once released or expired, the run's code once it is inactive.
+
+    On PostgreSQL a renewal that succeeds is one statement; a refusal is the careful path's.
+    """
+    valid_ttl = lease_ttl_ms is None or 1 <= lease_ttl_ms <= MAX_LEASE_TTL_MS
+    if valid_ttl and sql.fast_paths_enabled():
+        params = {"project_id": project_id, "lease_id": lease_id, "ttl": lease_ttl_ms, "now": timezone.now()}
+        rows = sql.fetch_models(PoolLease, RENEW_SQL, params)
+        if rows:
+            return rows[0][0]
+    return _renew_careful(project_id=project_id, lease_id=lease_id, lease_ttl_ms=lease_ttl_ms)
+
+
+@transaction.atomic
+def _renew_careful(*, project_id: uuid.UUID, lease_id: uuid.UUID, lease_ttl_ms: int | None) -> PoolLease:
     run_id = PoolLease.objects.filter(id=lease_id, project_id=project_id).values_list("run_id", flat=True).first()
     if run_id is None:
         raise exceptions.NotFound("Pool lease not found.", leaseId=str(lease_id))

@@ -17,7 +17,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.models import Event, Pool, PoolLease
 from coordination.services.keys import project_ensure
-from coordination.services.pools import pool_acquire, pool_lease_release, pool_put, pool_wait_end
+from coordination.services.pools import pool_acquire, pool_lease_release, pool_lease_renew, pool_put, pool_wait_end
 from coordination.services.runs import run_cancel, run_create
 from tests.concurrency.test_pool_races import replay
 from tests.concurrency.util import run_in_threads
@@ -35,9 +35,16 @@ def test_acquire_and_release_are_one_statement_each():
     pool, _ = pool_put(project_id=project.id, name="gpu", capacity=2)
     with CaptureQueriesContext(connection) as acquire_sql:
         lease = pool_acquire(project_id=project.id, name="gpu", run_id=run.id, units=2, lease_ttl_ms=5000).lease
+    before = timezone.now()
+    with CaptureQueriesContext(connection) as renew_sql:
+        renewed = pool_lease_renew(project_id=project.id, lease_id=lease.id, lease_ttl_ms=7000)
+    after = timezone.now()
     with CaptureQueriesContext(connection) as release_sql:
         released = pool_lease_release(project_id=project.id, lease_id=lease.id)
     assert statements(acquire_sql) == ["WITH"], acquire_sql.captured_queries
+    assert statements(renew_sql) == ["WITH"], renew_sql.captured_queries
+    assert renewed.lease_ttl_ms == 7000 and renewed.state == "HELD"
+    assert before + timedelta(seconds=7) <= renewed.expires_at <= after + timedelta(seconds=7)
     assert statements(release_sql) == ["WITH"], release_sql.captured_queries
     assert (lease.state, lease.units, lease.arrival, lease.run_path) == ("HELD", 2, 1, run.path)
     assert lease.expires_at - lease.granted_at == timedelta(milliseconds=5000)
@@ -95,6 +102,14 @@ class Script:
         self.check_counter(step)
         return acquired.lease
 
+    def renew(self, step: str, lease: PoolLease, ttl: int | None = None) -> None:
+        try:
+            renewed = pool_lease_renew(project_id=self.project.id, lease_id=lease.id, lease_ttl_ms=ttl)
+        except exceptions.CoordinationError as error:
+            self.trace.append((step, "raised", error.code))
+            return
+        self.trace.append((step, "renewed", renewed.arrival, renewed.state, renewed.lease_ttl_ms))
+
     def release(self, step: str, lease: PoolLease) -> None:
         released = pool_lease_release(project_id=self.project.id, lease_id=lease.id)
         self.trace.append((step, "released", released.arrival, released.state, released.ended_at is not None))
@@ -110,6 +125,10 @@ class Script:
         self.release("release b grants w", b)
         self.release("release a again", a)
         c = self.acquire("c", units=1)
+        self.renew("renew c", c)
+        self.renew("renew c, new ttl", c, ttl=90_000)
+        self.renew("renew c, bad ttl", c, ttl=0)
+        self.renew("renew released a", a)
         doomed = self.child("doomed")
         run_cancel(project_id=self.project.id, run_id=doomed.id)
         self.acquire("under a cancelled run", run=doomed, units=1)
@@ -117,6 +136,11 @@ class Script:
         self.acquire("more than capacity", units=4)
         self.acquire("bad name", name="bad\x00name", units=1)
         self.release("release c", c)
+        held_by_doomed = self.child("held by doomed")
+        h = self.acquire("h", run=held_by_doomed, units=1)
+        run_cancel(project_id=self.project.id, run_id=held_by_doomed.id)
+        self.renew("renew under a cancelled run", h)
+        self.release("release h under a cancelled run", h)
         k = self.acquire("keyed", units=1, key="k")
         self.acquire("keyed again", units=1, key="k")
         self.acquire("keyed, other units", units=2, key="k")
