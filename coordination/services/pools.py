@@ -4,8 +4,16 @@ A request for units is a ``PoolLease`` row: ``WAITING`` while queued, ``HELD`` o
 Everything that changes what a pool hands out (acquire, release, expiry, a waiter leaving or
 cancelled with its run) runs under the pool row's ``FOR UPDATE`` lock, so the grant path is
 plain code over exact numbers: ``in_use`` never exceeds ``capacity`` and waiters are granted
-strictly by ``arrival``. The cost is that one pool's changes are serialized (a few short
-statements each), which is what a scarce resource asks for anyway.
+strictly by ``arrival``. The cost is that one pool's changes are serialized, which is what a
+scarce resource asks for anyway.
+
+``Pool.waiting`` counts the pool's WAITING rows (gone waiters included until a walk times them
+out), kept exact under the same lock by every path that queues, grants or ends a waiter. On
+PostgreSQL a plain acquire, a release and a renewal are each one guarded statement (see
+``ACQUIRE_SQL``, ``RELEASE_SQL``, ``RENEW_SQL``) that applies only while ``waiting`` is 0 and
+the outcome is certain; when it touches no row, the careful path below decides, unchanged.
+Answers (``POOL_EXHAUSTED``'s ``waiting``) still count only waiters whose caller is there
+(``_waiting``), not the counter.
 
 Lock order (house rule): the run chain, then the pool, then lease rows. Renewals touch only
 their own lease row (after the chain); nothing here locks a run after a pool.
