@@ -199,15 +199,16 @@ def pool_put(*, project_id: uuid.UUID, name: str, capacity: int) -> tuple[Pool, 
     return pool, False
 
 
+# The data of pool.acquired and pool.released, as ``_event`` writes it.
+_EVENT_DATA_SQL = "jsonb_build_object('pool', pool_name, 'units', units)"
+_LEASE_COLUMNS = ", ".join(field.column for field in PoolLease._meta.concrete_fields)
+
 # The fast acquire: one statement that locks the run chain FOR KEY SHARE (refusing an inactive
 # one, house order: chain then pool), takes the units on the pool row only when they certainly
 # fit and nobody waits, inserts the HELD lease with the next arrival number, and writes its
 # pool.acquired. Row locking serializes it with every other change of the pool, and PostgreSQL
 # re-evaluates the WHERE on the row a concurrent change left. Expired leases still counted in
 # in_use only make it refuse (the careful path then expires them), never over-grant.
-# The data of pool.acquired and pool.released, as ``_event`` writes it.
-_EVENT_DATA_SQL = "jsonb_build_object('pool', pool_name, 'units', units)"
-_LEASE_COLUMNS = ", ".join(field.column for field in PoolLease._meta.concrete_fields)
 ACQUIRE_SQL = f"""
 WITH {CHAIN_KEY_SHARE_CTE}, p AS (
     UPDATE coordination_pool pl
