@@ -1,7 +1,7 @@
 """Pools and their leases: each pool with its capacity, use and queue; capacity changed through ``pool_put``.
 
 The capacity is the one editable field: saving it calls ``pool_put`` (a growth grants the
-waiters that now fit, in the same transaction). ``in_use`` and the leases' states are
+waiters that now fit, in the same transaction). ``in_use``, ``waiting`` and the leases' states are
 written only by ``coordination.services.pools``; the release action calls its service.
 """
 

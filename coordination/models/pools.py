@@ -15,11 +15,15 @@ class Pool(models.Model):
     project = models.ForeignKey("coordination.Project", on_delete=models.CASCADE, related_name="+")
     name = models.CharField(max_length=200)
     capacity = models.PositiveIntegerField()
-    # Units of HELD leases; changed only under this row's lock, in the transaction that
-    # grants, releases or expires them.
+    # Units of HELD leases; changed only under this row's lock, in the transaction (or the one
+    # statement, on the fast paths) that grants, releases or expires them.
     in_use = models.PositiveIntegerField(default=0)
     # Requests ever queued or granted: the arrival number of the next one (strict FIFO).
     arrivals = models.PositiveBigIntegerField(default=0)
+    # WAITING lease rows, gone waiters (past their expiry, not yet timed out) included: kept
+    # exact under this row's lock by every path that queues, grants or ends a waiter. The fast
+    # paths grant and release only when it is 0 (no queue to respect or to grant).
+    waiting = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(default=timezone.now)
 

@@ -4,8 +4,16 @@ A request for units is a ``PoolLease`` row: ``WAITING`` while queued, ``HELD`` o
 Everything that changes what a pool hands out (acquire, release, expiry, a waiter leaving or
 cancelled with its run) runs under the pool row's ``FOR UPDATE`` lock, so the grant path is
 plain code over exact numbers: ``in_use`` never exceeds ``capacity`` and waiters are granted
-strictly by ``arrival``. The cost is that one pool's changes are serialized (a few short
-statements each), which is what a scarce resource asks for anyway.
+strictly by ``arrival``. The cost is that one pool's changes are serialized, which is what a
+scarce resource asks for anyway.
+
+``Pool.waiting`` counts the pool's WAITING rows (gone waiters included until a walk times them
+out), kept exact under the same lock by every path that queues, grants or ends a waiter. On
+PostgreSQL a plain acquire, a release and a renewal are each one guarded statement (see
+``ACQUIRE_SQL``, ``RELEASE_SQL``, ``RENEW_SQL``) that applies only while ``waiting`` is 0 and
+the outcome is certain; when it touches no row, the careful path below decides, unchanged.
+Answers (``POOL_EXHAUSTED``'s ``waiting``) still count only waiters whose caller is there
+(``_waiting``), not the counter.
 
 Lock order (house rule): the run chain, then the pool, then lease rows. Renewals touch only
 their own lease row (after the chain); nothing here locks a run after a pool.
@@ -21,11 +29,18 @@ from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from coordination import exceptions
-from coordination.ids import path_ids
+from coordination.ids import path_ids, uuid7
 from coordination.models import Event, Pool, PoolLease, Run
+from coordination.services import sql
 from coordination.services.cascade import SubtreeEnd
-from coordination.services.events import event_for, event_row, events_record_many
-from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
+from coordination.services.events import event_for, event_insert_sql, event_row, events_record_many
+from coordination.services.locking import (
+    CHAIN_ACTIVE_SQL,
+    CHAIN_KEY_SHARE_CTE,
+    chain_refusal,
+    run_chain_lock,
+    run_chain_lock_active,
+)
 from coordination.services.mailboxes import NAME_PATTERN
 from coordination.states import POOL_LEASE_OPEN, PoolLeaseState
 
@@ -103,10 +118,11 @@ def _queue(pool: Pool, batch: int = 16) -> Iterator[PoolLease]:
         after = rows[-1].arrival
 
 
-def _grant_heads(pool: Pool, now: datetime) -> tuple[list[Event], bool]:
+def _grant_heads(pool: Pool, now: datetime, *, save: bool = False) -> tuple[list[Event], bool]:
     """Expire run-out leases, drop gone waiters, and grant the head waiters that fit.
 
-    Return the events to record and whether anyone still waits.
+    Return the events to record and whether anyone still waits. The pool row is saved when
+    anything changed (or ``save``: the caller changed its counters before the walk).
 
     The caller holds the pool's lock. Expired leases are freed here, not only by the sweep, so
     correctness never waits for it. A waiter is granted only when its units fit and no
@@ -128,9 +144,11 @@ def _grant_heads(pool: Pool, now: datetime) -> tuple[list[Event], bool]:
         pool.in_use -= lease.units
         events.append(_event(lease, "pool.expired", pool))
     still_waiting = False
+    waiting_before = pool.waiting
     for waiter in _queue(pool):
         if waiter.expires_at <= now:
             _end(waiter, PoolLeaseState.TIMED_OUT, now)  # its caller is gone
+            pool.waiting -= 1
             continue
         if pool.in_use + waiter.units > pool.capacity:
             still_waiting = True
@@ -138,6 +156,7 @@ def _grant_heads(pool: Pool, now: datetime) -> tuple[list[Event], bool]:
         refusal = _chain_refusal_of(waiter.run_path, now)
         if refusal is not None:
             _end(waiter, PoolLeaseState.CANCELLED, now)
+            pool.waiting -= 1
             events.append(_event(waiter, "pool.cancelled", pool, code=refusal.code))
             continue
         waiter.state = PoolLeaseState.HELD
@@ -145,11 +164,12 @@ def _grant_heads(pool: Pool, now: datetime) -> tuple[list[Event], bool]:
         waiter.expires_at = now + timedelta(milliseconds=waiter.lease_ttl_ms)
         waiter.save(update_fields=["state", "granted_at", "expires_at"])
         pool.in_use += waiter.units
+        pool.waiting -= 1
         # The event's subject is the lease: it wakes the waiter's long-poll (NOTIFY on commit).
         events.append(_event(waiter, "pool.acquired", pool, waited=True))
-    if expired or events:
+    if expired or events or pool.waiting != waiting_before or save:
         pool.updated_at = now
-        pool.save(update_fields=["in_use", "updated_at"])
+        pool.save(update_fields=["in_use", "waiting", "updated_at"])
     return events, still_waiting
 
 
@@ -179,7 +199,38 @@ def pool_put(*, project_id: uuid.UUID, name: str, capacity: int) -> tuple[Pool, 
     return pool, False
 
 
-@transaction.atomic
+# The data of pool.acquired and pool.released, as ``_event`` writes it.
+_EVENT_DATA_SQL = "jsonb_build_object('pool', pool_name, 'units', units)"
+_LEASE_COLUMNS = ", ".join(field.column for field in PoolLease._meta.concrete_fields)
+
+# The fast acquire: one statement that locks the run chain FOR KEY SHARE (refusing an inactive
+# one, house order: chain then pool), takes the units on the pool row only when they certainly
+# fit and nobody waits, inserts the HELD lease with the next arrival number, and writes its
+# pool.acquired. Row locking serializes it with every other change of the pool, and PostgreSQL
+# re-evaluates the WHERE on the row a concurrent change left. Expired leases still counted in
+# in_use only make it refuse (the careful path then expires them), never over-grant.
+ACQUIRE_SQL = f"""
+WITH {CHAIN_KEY_SHARE_CTE}, p AS (
+    UPDATE coordination_pool pl
+    SET in_use = pl.in_use + %(units)s, arrivals = pl.arrivals + 1, updated_at = %(now)s
+    WHERE pl.project_id = %(project_id)s AND pl.name = %(name)s
+      AND pl.waiting = 0 AND pl.in_use + %(units)s <= pl.capacity
+      AND (SELECT {CHAIN_ACTIVE_SQL} FROM chain)
+    RETURNING pl.id AS pool_id, pl.name AS pool_name, pl.arrivals
+), l AS (
+    INSERT INTO coordination_poollease ({_LEASE_COLUMNS})
+    SELECT %(lease_id)s, %(project_id)s, p.pool_id, %(run_id)s,
+        (SELECT path FROM chain ORDER BY length(path) DESC LIMIT 1),
+        %(units)s, %(lease_ttl_ms)s, '', 'HELD', p.arrivals, %(expires_at)s, %(now)s, %(now)s, NULL
+    FROM p
+    RETURNING *
+), ev AS (
+    {event_insert_sql("l CROSS JOIN p", type_sql="'pool.acquired'", data_sql=_EVENT_DATA_SQL)}
+)
+SELECT {sql.columns(PoolLease, "l")} FROM l
+"""
+
+
 def pool_acquire(
     *,
     project_id: uuid.UUID,
@@ -193,13 +244,56 @@ def pool_acquire(
     """Grant ``units`` of the pool to ``run_id`` now, or queue a waiter (``wait_ms`` > 0), or refuse.
 
     Granted only when the units fit and nobody waits before it. A refusal is returned (its
-    ``pool.exhausted`` event commits with it) for the caller to raise.
+    ``pool.exhausted`` event commits with it) for the caller to raise. On PostgreSQL a plain
+    grant (no ``key``, nobody waiting, room for certain) is one statement; anything else is the
+    careful path's to decide.
     """
     lease_ttl_ms = DEFAULT_LEASE_TTL_MS if lease_ttl_ms is None else lease_ttl_ms
     if units < 1:
         raise exceptions.ValidationFailed("Invalid units.", units="at least 1")
     if not 1 <= lease_ttl_ms <= MAX_LEASE_TTL_MS:
         raise exceptions.ValidationFailed("Invalid leaseTtlMs.", leaseTtlMs=f"between 1 and {MAX_LEASE_TTL_MS}")
+    # A key asks for "the lease already held under it": the careful path looks it up.
+    if not key and sql.fast_paths_enabled() and NAME_PATTERN.match(name):
+        now = timezone.now()
+        rows = sql.fetch_models(
+            PoolLease,
+            ACQUIRE_SQL,
+            {
+                "project_id": project_id,
+                "run_id": run_id,
+                "name": name,
+                "units": units,
+                "lease_ttl_ms": lease_ttl_ms,
+                "lease_id": uuid7(),
+                "now": now,
+                "expires_at": now + timedelta(milliseconds=lease_ttl_ms),
+            },
+        )
+        if rows:
+            return Acquired(rows[0][0])
+    return _acquire_careful(
+        project_id=project_id,
+        name=name,
+        run_id=run_id,
+        units=units,
+        lease_ttl_ms=lease_ttl_ms,
+        wait_ms=wait_ms,
+        key=key,
+    )
+
+
+@transaction.atomic
+def _acquire_careful(
+    *,
+    project_id: uuid.UUID,
+    name: str,
+    run_id: uuid.UUID,
+    units: int,
+    lease_ttl_ms: int,
+    wait_ms: int,
+    key: str,
+) -> Acquired:
     # Once the chain is locked, a cancel of any run in it waits for this commit and its
     # cascade then sees (and answers) a waiter queued here.
     chain = run_chain_lock_active(run_id, project_id=project_id)
@@ -239,6 +333,7 @@ def pool_acquire(
     elif wait_ms > 0:
         lease.expires_at = now + timedelta(milliseconds=wait_ms) + WAITER_SLACK
         lease.save(force_insert=True)
+        pool.waiting += 1
         refusal = None
     else:
         waiting = _waiting(pool, now)
@@ -262,7 +357,7 @@ def pool_acquire(
         )
         lease = None
     pool.updated_at = now
-    pool.save(update_fields=["in_use", "arrivals", "updated_at"])
+    pool.save(update_fields=["in_use", "arrivals", "waiting", "updated_at"])
     events_record_many(events)
     return Acquired(lease, refusal)
 
@@ -297,7 +392,8 @@ def pool_wait_end(*, lease_id: uuid.UUID) -> Acquired:
             events.append(_event(lease, "pool.cancelled", pool, code=refusal.code))
         else:
             _end(lease, PoolLeaseState.TIMED_OUT, now)
-        events.extend(_grant_heads(pool, now)[0])
+        pool.waiting -= 1
+        events.extend(_grant_heads(pool, now, save=True)[0])
     if refusal is None and lease.state == PoolLeaseState.CANCELLED:
         refusal = exceptions.ScopeCancelled(runId=str(lease.run_id))
     if refusal is None:
@@ -315,9 +411,45 @@ def _lease_for_update(project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLease:
     return lease
 
 
-@transaction.atomic
+# The fast renewal: one statement that locks the lease's run chain FOR KEY SHARE (house order:
+# chain, then the lease row, as the careful path) and extends the lease only when it is HELD,
+# unexpired and the chain active. Expiry locks the lease row too, so one sees the other. A lost
+# lease, an inactive run or an unknown lease touches no row: the careful path answers why.
+RENEW_SQL = f"""
+WITH chain AS (
+    SELECT r.stored_state, r.deadline
+    FROM coordination_run r
+    WHERE r.id = ANY (string_to_array(rtrim(
+        (SELECT run_path FROM coordination_poollease WHERE id = %(lease_id)s AND project_id = %(project_id)s),
+        '/'), '/')::uuid[])
+    ORDER BY r.depth
+    FOR KEY SHARE OF r
+)
+UPDATE coordination_poollease l
+SET expires_at = %(now)s + COALESCE(%(ttl)s, l.lease_ttl_ms) * interval '1 millisecond',
+    lease_ttl_ms = COALESCE(%(ttl)s, l.lease_ttl_ms)
+WHERE l.id = %(lease_id)s AND l.project_id = %(project_id)s AND l.state = 'HELD' AND l.expires_at > %(now)s
+  AND (SELECT {CHAIN_ACTIVE_SQL} FROM chain)
+RETURNING {sql.columns(PoolLease, "l")}
+"""
+
+
 def pool_lease_renew(*, project_id: uuid.UUID, lease_id: uuid.UUID, lease_ttl_ms: int | None = None) -> PoolLease:
-    """Extend a held lease; ``LEASE_LOST`` once released or expired, the run's code once it is inactive."""
+    """Extend a held lease; ``LEASE_LOST`` once released or expired, the run's code once it is inactive.
+
+    On PostgreSQL a renewal that succeeds is one statement; a refusal is the careful path's.
+    """
+    valid_ttl = lease_ttl_ms is None or 1 <= lease_ttl_ms <= MAX_LEASE_TTL_MS
+    if valid_ttl and sql.fast_paths_enabled():
+        params = {"project_id": project_id, "lease_id": lease_id, "ttl": lease_ttl_ms, "now": timezone.now()}
+        rows = sql.fetch_models(PoolLease, RENEW_SQL, params)
+        if rows:
+            return rows[0][0]
+    return _renew_careful(project_id=project_id, lease_id=lease_id, lease_ttl_ms=lease_ttl_ms)
+
+
+@transaction.atomic
+def _renew_careful(*, project_id: uuid.UUID, lease_id: uuid.UUID, lease_ttl_ms: int | None) -> PoolLease:
     run_id = PoolLease.objects.filter(id=lease_id, project_id=project_id).values_list("run_id", flat=True).first()
     if run_id is None:
         raise exceptions.NotFound("Pool lease not found.", leaseId=str(lease_id))
@@ -340,12 +472,54 @@ def pool_lease_renew(*, project_id: uuid.UUID, lease_id: uuid.UUID, lease_ttl_ms
     return lease
 
 
-@transaction.atomic
+# The fast release: one statement that locks the lease's pool only while nobody waits (house
+# order: pool, then lease), ends the lease when it is HELD and unexpired, gives its units back
+# and writes pool.released. A waiter to grant, an expired or already ended lease, or a waiter
+# row leaving the queue touches no row here: the careful path decides those.
+RELEASE_SQL = f"""
+WITH p AS (
+    SELECT pl.id, pl.name AS pool_name
+    FROM coordination_pool pl
+    WHERE pl.id = (SELECT pool_id FROM coordination_poollease WHERE id = %(lease_id)s AND project_id = %(project_id)s)
+      AND pl.waiting = 0
+    FOR UPDATE OF pl
+), l AS (
+    UPDATE coordination_poollease l
+    SET state = 'RELEASED', ended_at = %(now)s
+    FROM p
+    WHERE l.id = %(lease_id)s AND l.project_id = %(project_id)s AND l.pool_id = p.id
+      AND l.state = 'HELD' AND l.expires_at > %(now)s
+    RETURNING l.*
+), u AS (
+    UPDATE coordination_pool pl
+    SET in_use = pl.in_use - l.units, updated_at = %(now)s
+    FROM l
+    WHERE pl.id = l.pool_id
+    RETURNING pl.name AS pool_name
+), ev AS (
+    {event_insert_sql("l CROSS JOIN u", type_sql="'pool.released'", data_sql=_EVENT_DATA_SQL)}
+)
+SELECT {sql.columns(PoolLease, "l")} FROM l
+"""
+
+
 def pool_lease_release(*, project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLease:
     """Hand a lease back (idempotent; allowed under an inactive run) and grant the waiters that now fit.
 
-    Releasing a waiter takes it out of the queue.
+    Releasing a waiter takes it out of the queue. On PostgreSQL releasing a held, unexpired
+    lease of a pool nobody waits on is one statement; anything else is the careful path's.
     """
+    if sql.fast_paths_enabled():
+        rows = sql.fetch_models(
+            PoolLease, RELEASE_SQL, {"project_id": project_id, "lease_id": lease_id, "now": timezone.now()}
+        )
+        if rows:
+            return rows[0][0]
+    return _release_careful(project_id=project_id, lease_id=lease_id)
+
+
+@transaction.atomic
+def _release_careful(*, project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLease:
     pool_id = PoolLease.objects.filter(id=lease_id, project_id=project_id).values_list("pool_id", flat=True).first()
     if pool_id is None:
         raise exceptions.NotFound("Pool lease not found.", leaseId=str(lease_id))
@@ -354,6 +528,7 @@ def pool_lease_release(*, project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLea
     lease = _lease_for_update(project_id, lease_id)
     now = timezone.now()
     events: list[Event] = []
+    left_queue = False
     if lease.state == PoolLeaseState.HELD and lease.expires_at > now:
         _end(lease, PoolLeaseState.RELEASED, now)
         pool.in_use -= lease.units
@@ -362,9 +537,11 @@ def pool_lease_release(*, project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLea
         events.append(_event(lease, "pool.released", pool))
     elif lease.state == PoolLeaseState.WAITING:
         _end(lease, PoolLeaseState.RELEASED, now)
+        pool.waiting -= 1
+        left_queue = True
     # An expired HELD lease is ended (pool.expired) by the walk below, like the sweep would.
     expired = lease.state == PoolLeaseState.HELD
-    events.extend(_grant_heads(pool, now)[0])
+    events.extend(_grant_heads(pool, now, save=left_queue)[0])
     events_record_many(events)
     if expired:
         lease.refresh_from_db()
@@ -401,7 +578,8 @@ def pools_cancel_subtree(end: SubtreeEnd) -> None:
         for waiter in waiters:
             _end(waiter, PoolLeaseState.CANCELLED, end.now)
             events.append(_event(waiter, "pool.cancelled", pool, code=code))
-        events.extend(_grant_heads(pool, end.now)[0])
+        pool.waiting -= len(waiters)
+        events.extend(_grant_heads(pool, end.now, save=bool(waiters))[0])
     events_record_many(events)
 
 

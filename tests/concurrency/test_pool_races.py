@@ -46,6 +46,8 @@ def replay(pool: Pool) -> None:
     held_rows = PoolLease.objects.filter(pool=pool, state="HELD")
     assert current.in_use == sum(held.values()) == sum(lease.units for lease in held_rows)
     assert {str(lease.id) for lease in held_rows} == set(held)
+    # The fast paths trust the counter of waiters: it is exactly the WAITING rows.
+    assert current.waiting == PoolLease.objects.filter(pool=pool, state="WAITING").count()
 
 
 def closed(fn):
