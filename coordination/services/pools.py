@@ -377,7 +377,13 @@ def pool_wait_end(*, lease_id: uuid.UUID) -> Acquired:
     Leaving the queue may let the waiters behind it fit, so it grants them in the same
     transaction.
     """
-    pool_id, run_path = PoolLease.objects.filter(id=lease_id).values_list("pool_id", "run_path").get()
+    seen = PoolLease.objects.get(id=lease_id)
+    if seen.state == PoolLeaseState.HELD:
+        # Granted: only its holder ends a held lease (release, or expiry once the holder stops
+        # renewing), so the grant stands without the pool's lock, which every other change
+        # of the pool waits for.
+        return Acquired(seen)
+    pool_id, run_path = seen.pool_id, seen.run_path
     # The pool's lock first: a grant or a cancel's cascade may be deciding this waiter.
     pool = Pool.objects.select_for_update().get(id=pool_id)
     lease = PoolLease.objects.select_for_update().get(id=lease_id)
