@@ -13,6 +13,9 @@ Lock order (one, everywhere; taking locks in another order is a bug):
   in-flight creators to commit and then cascades over what they created, and a creator that
   comes after it waits, re-reads the run and is refused. Once a cancel commits, nothing new
   appears under it and nothing created concurrently escapes the cascade.
+* Every run row lock is preceded by the run's advisory lock (shared before the share locks,
+  exclusive before ``FOR UPDATE``): PostgreSQL queues those fairly, so creators arriving
+  after a waiting cancel queue behind it instead of holding it off (``locking``).
 * On SQLite there are no row locks; every transaction begins ``IMMEDIATE`` and so holds the
   database's single write lock from its first statement, which gives the same guarantee.
 """

@@ -22,7 +22,12 @@ from coordination.models import Event, Mailbox, Task
 from coordination.services import dispatch, sql
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup
-from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, run_chain_lock_active
+from coordination.services.locking import (
+    CHAIN_ACTIVE_SQL,
+    CHAIN_KEY_SHARE_CTE,
+    chain_key_share_cte,
+    run_chain_lock_active,
+)
 from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.services.retry import retrying
 from coordination.services.sql import fast_paths_enabled
@@ -83,15 +88,17 @@ _FENCE = f"""
     AND (t.run_deadline IS NULL OR t.run_deadline > %(now)s)
 """
 
-# Claim. The run chain is locked FOR KEY SHARE first, root first (its ids come from the
-# run's path, in this statement), so a cancel of any run in the chain waits for us or makes
-# us find an inactive chain; then queued tasks are picked FOR UPDATE SKIP LOCKED and
-# updated. The pick runs only when the whole chain is active and the run has no expired
-# lease to take over (the careful path does takeovers); the planner evaluates that gate as
-# a one-time filter before the scan, so the chain is locked before any task:
+# Claim. The run chain is locked FOR KEY SHARE first, root first, behind its fair-gate locks
+# (its ids come from the run's path, in this statement), so a cancel of any run in the chain
+# waits for us or makes us find an inactive chain; then queued tasks are picked FOR UPDATE
+# SKIP LOCKED and updated. The pick runs only when the whole chain is active and the run has
+# no expired lease to take over (the careful path does takeovers); the planner evaluates
+# that gate as a one-time filter before the scan, so the chain is locked before any task:
 #
 #   Update on coordination_task t
-#     CTE chain -> LockRows -> Sort (r.depth) -> Index Scan on coordination_run r
+#     CTE chain -> LockRows -> Sort (r.depth)
+#                  -> Result  One-Time Filter: (advisory locks of chain_ids)
+#                       -> Index Scan on coordination_run r
 #     -> Nested Loop
 #          -> Subquery Scan on picked -> Limit -> LockRows
 #               -> Result  One-Time Filter: $gate
@@ -146,9 +153,8 @@ WITH target AS MATERIALIZED (
     -- in its newest version by the UPDATE's own conditions (state, times).
     SELECT ctid, id, run_id, project_id, mailbox_id FROM coordination_task WHERE id = %(task_id)s
 ), {
-    CHAIN_KEY_SHARE_CTE.replace(
-        "WHERE id = %(run_id)s AND project_id = %(project_id)s",
-        "WHERE id = (SELECT run_id FROM target) AND project_id = %(project_id)s",
+    chain_key_share_cte(
+        "SELECT path FROM coordination_run WHERE id = (SELECT run_id FROM target) AND project_id = %(project_id)s"
     )
 }, gate AS (
     SELECT {CHAIN_ACTIVE_SQL} AS open FROM chain

@@ -20,7 +20,7 @@ from coordination.models.groups import MAX_MEMBERS
 from coordination.services import sql
 from coordination.services.cascade import SubtreeEnd
 from coordination.services.events import EVENT_COLUMNS, TXID_SQL, event_row, events_record_many
-from coordination.services.locking import LockMode, chain_refusal, run_ancestors_lock, run_chain_lock
+from coordination.services.locking import LockMode, chain_refusal, fair_gate_sql, run_ancestors_lock, run_chain_lock
 from coordination.services.retry import GroupDue, retrying
 from coordination.services.runs import run_create, run_end
 from coordination.states import (
@@ -49,13 +49,16 @@ class LockedGroup:
         return self.chain[-1]
 
 
-# The gate FOR UPDATE, then the group FOR UPDATE, in one statement, on PostgreSQL. The CTE's
-# row lock is taken when the join first reads the gate, so before the outer lock on the
-# group row, whatever the join order (house order: gate, then group). Both rows come back as
-# they are once locked, and the group's mailbox (not locked) with them.
+# The gate FOR UPDATE (behind its exclusive fair-gate lock, a one-time filter taken before
+# the row's), then the group FOR UPDATE, in one statement, on PostgreSQL. The CTE's row lock
+# is taken when the join first reads the gate, so before the outer lock on the group row,
+# whatever the join order (house order: gate, then group). Both rows come back as they are
+# once locked, and the group's mailbox (not locked) with them.
 GATE_AND_GROUP_LOCK_SQL = f"""
 WITH gate AS (
-    SELECT {sql.columns(Run, "r")} FROM coordination_run r WHERE r.id = %(gate_id)s FOR UPDATE
+    SELECT {sql.columns(Run, "r")} FROM coordination_run r
+    WHERE r.id = %(gate_id)s AND {fair_gate_sql("ARRAY[%(gate_id)s::uuid]", exclusive=True)}
+    FOR UPDATE
 )
 SELECT {sql.columns(TaskGroup, "g")}, {sql.columns(Mailbox, "m")}, gate.*
 FROM coordination_taskgroup g

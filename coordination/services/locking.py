@@ -1,8 +1,22 @@
-"""Row locks on the run chain, in the one house order (root first).
+"""Row locks on the run chain, in the one house order (root first), behind a fair gate.
 
 Django's ORM can say ``FOR UPDATE`` and ``FOR NO KEY UPDATE`` but not ``FOR KEY SHARE``,
 the weakest lock that still conflicts with a cancel's ``FOR UPDATE``; this module adds it
 by appending the clause to the ORM's own SQL (so ids keep the backend's representation).
+
+The fair gate. PostgreSQL does not queue row locks fairly: a ``FOR KEY SHARE`` (or
+``FOR NO KEY UPDATE``) locker joins the compatible lockers already on a row even while a
+``FOR UPDATE`` waits there, so a steady stream of creators of work (claims, submits, quota
+takes, reservations) can hold a cancel off for as long as it lasts: seven back-to-back
+reservers kept one waiting over 30 s. Advisory locks live in the heavyweight lock manager,
+whose queue is fair: a shared request that arrives behind a waiting exclusive one waits its
+turn. So every lock on a run row is preceded by the run's advisory lock in the same
+transaction, root first like the rows: shared before ``FOR KEY SHARE`` and
+``FOR NO KEY UPDATE``, exclusive before ``FOR UPDATE``. A cancel then waits only for the
+creators already in; those arriving after it wait for it, and find the run inactive. The
+advisory locks add no exclusion the row locks do not already make (shared conflicts only
+with exclusive, taken only where the row's ``FOR UPDATE`` follows), so they change who goes
+first, never what may run together.
 """
 
 import enum
@@ -11,6 +25,8 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from django.db import connection
+from django.db.models import BooleanField
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from coordination import exceptions
@@ -27,20 +43,53 @@ class LockMode(enum.Enum):
     UPDATE = "FOR UPDATE"  # cancelling or completing the run
 
 
-# The same lock inside one SQL statement, for the single-statement fast paths: a CTE named
-# ``chain`` locking the chain of ``%(run_id)s`` (in ``%(project_id)s``) FOR KEY SHARE, root
-# first (ORDER BY runs below the row locks), its ids read from the run's path; and the
-# condition, over ``chain``, that every run of it accepts new work at ``%(now)s`` (an unknown
-# run gives an empty chain, so it fails too). ``chain_refusal`` says why, on the careful path.
-CHAIN_KEY_SHARE_CTE = """
-chain AS (
+# A run id's advisory lock key: the first 64 bits of the UUID, in PostgreSQL's bigint key space.
+RUN_LOCK_KEY_SQL = "('x' || translate(left(({id})::text, 18), '-', ''))::bit(64)::bigint"
+
+
+def fair_gate_sql(ids_sql: str, *, exclusive: bool = False) -> str:
+    """Return a boolean expression that takes the advisory locks of the runs ``ids_sql`` (a uuid[], root first).
+
+    Always true; shared locks unless ``exclusive``. See the module docstring.
+    """
+    function = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
+    key = RUN_LOCK_KEY_SQL.format(id="u.id")
+    return (
+        f"(SELECT count({function}(k)) FROM (SELECT {key} AS k "
+        f"FROM unnest({ids_sql}) WITH ORDINALITY AS u(id, n) ORDER BY u.n) AS gate_keys) >= 0"
+    )
+
+
+def chain_key_share_cte(path_sql: str) -> str:
+    """Return the CTEs ``chain_ids`` and ``chain`` that lock the chain of the run at path ``path_sql`` FOR KEY SHARE.
+
+    ``path_sql`` is a scalar subquery giving the run's path (NULL for an unknown run: the
+    chain is then empty). The fair gate's shared advisory locks come first: the condition
+    on them does not depend on the scanned row, so the planner evaluates it as a one-time
+    filter before the scan, and so before any row lock. ORDER BY runs below the row locks,
+    so rows are locked root first.
+    """
+    return f"""
+chain_ids AS MATERIALIZED (
+    SELECT string_to_array(rtrim(({path_sql}), '/'), '/')::uuid[] AS ids
+), chain AS (
     SELECT r.stored_state, r.deadline, r.path
     FROM coordination_run r
-    WHERE r.id = ANY (string_to_array(rtrim(
-        (SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s), '/'), '/')::uuid[])
+    WHERE r.id = ANY ((SELECT ids FROM chain_ids)::uuid[])
+      AND (SELECT {fair_gate_sql("chain_ids.ids")} FROM chain_ids)
     ORDER BY r.depth
     FOR KEY SHARE OF r
 )"""
+
+
+# The same lock inside one SQL statement, for the single-statement fast paths: CTEs named
+# ``chain_ids`` and ``chain``, ``chain`` locking the chain of ``%(run_id)s`` (in
+# ``%(project_id)s``) FOR KEY SHARE behind the fair gate, root first; and the condition, over
+# ``chain``, that every run of it accepts new work at ``%(now)s`` (an unknown run gives an
+# empty chain, so it fails too). ``chain_refusal`` says why, on the careful path.
+CHAIN_KEY_SHARE_CTE = chain_key_share_cte(
+    "SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s"
+)
 CHAIN_ACTIVE_SQL = "count(*) > 0 AND bool_and(stored_state = 'ACTIVE' AND (deadline IS NULL OR deadline > %(now)s))"
 
 
@@ -52,6 +101,11 @@ def _lock_runs(ids: Sequence[uuid.UUID], mode: LockMode) -> list[Run]:
     if connection.vendor != "postgresql":
         # SQLite: the transaction already holds the write lock (BEGIN IMMEDIATE).
         return list(queryset)
+    # The fair gate (module docstring), in the same statement: a condition on no column of
+    # the row, so a one-time filter evaluated before the scan and its row locks. ids come
+    # root first.
+    gate = fair_gate_sql("%s::uuid[]", exclusive=mode is LockMode.UPDATE)
+    queryset = queryset.filter(RawSQL(gate, [list(ids)], output_field=BooleanField()))
     sql, params = queryset.query.sql_with_params()
     # ORDER BY depth runs below the row-locking step, so rows are locked root first.
     return list(Run.objects.raw(f"{sql} {mode.value}", params))

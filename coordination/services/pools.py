@@ -37,6 +37,7 @@ from coordination.services.events import event_for, event_insert_sql, event_row,
 from coordination.services.locking import (
     CHAIN_ACTIVE_SQL,
     CHAIN_KEY_SHARE_CTE,
+    chain_key_share_cte,
     chain_refusal,
     run_chain_lock,
     run_chain_lock_active,
@@ -421,16 +422,9 @@ def _lease_for_update(project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLease:
 # chain, then the lease row, as the careful path) and extends the lease only when it is HELD,
 # unexpired and the chain active. Expiry locks the lease row too, so one sees the other. A lost
 # lease, an inactive run or an unknown lease touches no row: the careful path answers why.
+_LEASE_PATH_SQL = "SELECT run_path FROM coordination_poollease WHERE id = %(lease_id)s AND project_id = %(project_id)s"
 RENEW_SQL = f"""
-WITH chain AS (
-    SELECT r.stored_state, r.deadline
-    FROM coordination_run r
-    WHERE r.id = ANY (string_to_array(rtrim(
-        (SELECT run_path FROM coordination_poollease WHERE id = %(lease_id)s AND project_id = %(project_id)s),
-        '/'), '/')::uuid[])
-    ORDER BY r.depth
-    FOR KEY SHARE OF r
-)
+WITH {chain_key_share_cte(_LEASE_PATH_SQL)}
 UPDATE coordination_poollease l
 SET expires_at = %(now)s + COALESCE(%(ttl)s, l.lease_ttl_ms) * interval '1 millisecond',
     lease_ttl_ms = COALESCE(%(ttl)s, l.lease_ttl_ms)
