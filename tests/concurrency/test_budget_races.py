@@ -19,7 +19,7 @@ from coordination.services.budgets import (
 from coordination.services.keys import project_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.states import ReservationState
-from tests.concurrency.util import run_in_threads
+from tests.concurrency.util import race_a_cancel, run_in_threads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -151,33 +151,10 @@ def test_reservations_racing_a_cancel_grant_nothing_once_the_cancel_committed_20
         root = run_create(project_id=project.id)
         child = run_create(project_id=project.id, parent_id=root.id)
         budget_create(project_id=project.id, run_id=root.id, name="usd", limit=1_000_000)
-        cancelled_at = []
-
-        def cancel(root=root, cancelled_at=cancelled_at):
-            time.sleep(0.005)
-            run_cancel(project_id=project.id, run_id=root.id)
-            cancelled_at.append(time.monotonic())
-
-        def reserver(child=child):
-            # Reserve back to back until refused, so the cancel always lands among the
-            # reservations (the fair gate keeps them from holding it off: test_cancel_fairness).
-            attempts = []
-            give_up = time.monotonic() + 30
-            while time.monotonic() < give_up:
-                started = time.monotonic()
-                try:
-                    reservation_create(project_id=project.id, run_id=child.id, budget="usd", amount=1)
-                    attempts.append((started, True))
-                except exceptions.ScopeCancelled:
-                    attempts.append((started, False))
-                    break
-            return attempts
-
-        results = run_in_threads([cancel] + [reserver] * 7)
-        attempts = [attempt for per_thread in results[1:] for attempt in per_thread]
-        assert [s for s, granted in attempts if granted and s > cancelled_at[0]] == []
-        # Every reserver was refused in the end: the cancel landed among the reservations.
-        assert all(per_thread and not per_thread[-1][1] for per_thread in results[1:])
+        race_a_cancel(
+            lambda root=root: run_cancel(project_id=project.id, run_id=root.id),
+            lambda child=child: reservation_create(project_id=project.id, run_id=child.id, budget="usd", amount=1),
+        )
 
 
 def test_the_beat_lease_sweep_expires_reservations_past_their_ttl():

@@ -22,7 +22,7 @@ from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.quotas import quota_put, quota_take
 from coordination.services.runs import run_cancel, run_complete, run_create
 from coordination.services.tasks import task_submit
-from tests.concurrency.util import run_in_threads
+from tests.concurrency.util import race_a_cancel
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -150,29 +150,6 @@ def test_seven_back_to_back_creators_never_hold_off_a_cancel_5_rounds(fast_paths
     create = creators(project)[kind]
     for _ in range(5):
         root, child = runs_under_a_budget(project)
-        cancelled_at = []
-
-        def cancel(root=root, cancelled_at=cancelled_at):
-            time.sleep(0.005)
-            run_cancel(project_id=project.id, run_id=root.id)
-            cancelled_at.append(time.monotonic())
-
-        def creator(child=child):
-            # No pause between calls: each creator's next transaction follows its last at once.
-            attempts = []
-            give_up = time.monotonic() + GIVE_UP_S
-            while time.monotonic() < give_up:
-                started = time.monotonic()
-                try:
-                    create(child)
-                    attempts.append((started, True))
-                except exceptions.ScopeCancelled:
-                    attempts.append((started, False))
-                    break
-            return attempts
-
-        results = run_in_threads([cancel] + [creator] * 7, timeout=GIVE_UP_S + 30)
-        attempts = [attempt for per_thread in results[1:] for attempt in per_thread]
-        assert [started for started, granted in attempts if granted and started > cancelled_at[0]] == []
-        # Every creator was refused in the end: the cancel got in while they kept coming.
-        assert all(per_thread and not per_thread[-1][1] for per_thread in results[1:])
+        race_a_cancel(
+            lambda root=root: run_cancel(project_id=project.id, run_id=root.id), lambda child=child: create(child)
+        )

@@ -4,12 +4,11 @@ import time
 
 import pytest
 
-from coordination import exceptions
 from coordination.models import Quota
 from coordination.services.keys import project_ensure
 from coordination.services.quotas import quota_put, quota_take
 from coordination.services.runs import run_cancel, run_create
-from tests.concurrency.util import run_in_threads
+from tests.concurrency.util import race_a_cancel, run_in_threads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -51,31 +50,7 @@ def test_takes_racing_a_cancel_grant_nothing_once_the_cancel_committed_20_rounds
     for _ in range(20):
         run = run_create(project_id=project.id)
         child = run_create(project_id=project.id, parent_id=run.id)
-        cancelled_at = []
-
-        def cancel(run=run, cancelled_at=cancelled_at):
-            time.sleep(0.005)
-            run_cancel(project_id=project.id, run_id=run.id)
-            cancelled_at.append(time.monotonic())
-
-        def taker(child=child):
-            # Take back to back until refused, so the cancel always lands among the takes (the
-            # fair gate keeps them from holding it off: test_cancel_fairness).
-            attempts = []
-            give_up = time.monotonic() + 30
-            while time.monotonic() < give_up:
-                started = time.monotonic()
-                try:
-                    quota_take(project_id=project.id, run_id=child.id, name="api")
-                    attempts.append((started, True))
-                except exceptions.ScopeCancelled:
-                    attempts.append((started, False))
-                    break
-            return attempts
-
-        results = run_in_threads([cancel] + [taker] * 7)
-        attempts = [attempt for per_thread in results[1:] for attempt in per_thread]
-        late_grants = [started for started, granted in attempts if granted and started > cancelled_at[0]]
-        assert late_grants == []
-        # Every taker was refused in the end: the cancel landed among the takes.
-        assert all(per_thread and not per_thread[-1][1] for per_thread in results[1:])
+        race_a_cancel(
+            lambda run=run: run_cancel(project_id=project.id, run_id=run.id),
+            lambda child=child: quota_take(project_id=project.id, run_id=child.id, name="api"),
+        )
