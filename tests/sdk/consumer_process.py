@@ -16,6 +16,7 @@ import time
 
 import runstate._worker
 from runstate import Runstate
+from tests.sdk.cli_handlers import say
 
 
 def hold_completions_back() -> None:
@@ -28,7 +29,7 @@ def hold_completions_back() -> None:
         sending = asyncio.ensure_future(complete(self, claim, outcome))
         await asyncio.sleep(0)  # its first step ran: the completion is in the buffer
         if claim.id in self._pending:
-            print(f"buffered {claim.task_id}", flush=True)
+            say(f"buffered {claim.task_id}")
         return await sending
 
     runstate._worker._Completer.complete = buffered
@@ -39,7 +40,7 @@ def main(mailbox: str, mode: str, drain_timeout: float) -> None:
         hold_completions_back()
 
     def handler(ctx):
-        print(f"claimed {ctx.task_id} {ctx.attempt}", flush=True)
+        say(f"claimed {ctx.task_id} {ctx.attempt}")
         if mode == "hang":
             time.sleep(3600)
         elif mode == "finish":

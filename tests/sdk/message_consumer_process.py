@@ -14,11 +14,12 @@ import sys
 import time
 
 from runstate import Runstate
+from tests.sdk.cli_handlers import say
 
 
 def main(mailbox: str, mode: str, drain_timeout: float) -> None:
     def handler(ctx):
-        print(f"received {ctx.message_id} {ctx.attempt}", flush=True)
+        say(f"received {ctx.message_id} {ctx.attempt}")
         if mode == "hang":
             time.sleep(3600)
         elif mode == "finish":
