@@ -14,6 +14,7 @@ import pytest
 from django.db import connection, transaction
 
 from coordination import exceptions
+from coordination.models import Run
 from coordination.services.budgets import budget_create, reservation_create
 from coordination.services.claims import task_claim
 from coordination.services.keys import project_ensure
@@ -21,7 +22,8 @@ from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.quotas import quota_put, quota_take
 from coordination.services.runs import run_cancel, run_complete, run_create
-from coordination.services.tasks import task_submit
+from coordination.services.tasks import TaskSpec, task_submit, tasks_submit_many
+from coordination.states import RunState
 from tests.concurrency.util import race_a_cancel
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
@@ -41,13 +43,10 @@ def creators(project) -> dict[str, Callable[[object], object]]:
     quota_put(project_id=project.id, name="api", limit=1_000_000, period_ms=1000)
     pool_put(project_id=project.id, name="gpu", capacity=1_000_000)
 
-    def claim(run):
-        task_submit(project_id=project.id, mailbox=mailbox, run_id=run.id, input={})
-        return task_claim(project_id=project.id, mailbox=mailbox, run_id=run.id)
-
     return {
         "submit": lambda run: task_submit(project_id=project.id, mailbox=mailbox, run_id=run.id, input={}),
-        "claim": claim,
+        # Tasks to claim are queued by runs_under_a_budget; an empty claim still locks the chain.
+        "claim": lambda run: task_claim(project_id=project.id, mailbox=mailbox, run_id=run.id),
         "quota take": lambda run: quota_take(project_id=project.id, run_id=run.id, name="api"),
         "pool acquire": lambda run: pool_acquire(project_id=project.id, name="gpu", run_id=run.id),
         "budget reservation": lambda run: reservation_create(
@@ -58,9 +57,12 @@ def creators(project) -> dict[str, Callable[[object], object]]:
 
 
 def runs_under_a_budget(project):
+    """A root and its child, a budget on the root and 200 tasks queued under the child."""
     root = run_create(project_id=project.id)
     child = run_create(project_id=project.id, parent_id=root.id)
     budget_create(project_id=project.id, run_id=root.id, name="usd", limit=10_000_000)
+    mailbox, _ = mailbox_ensure(project_id=project.id, name="jobs", mode="WORK")
+    tasks_submit_many(project_id=project.id, mailbox=mailbox, run_id=child.id, items=[TaskSpec(input={})] * 200)
     return root, child
 
 
@@ -111,7 +113,8 @@ def test_a_creator_arriving_while_a_cancel_waits_queues_behind_it_and_is_refused
         except exceptions.Conflict as exc:
             outcome["late"] = exc
 
-    threads = [threading.Thread(target=run_closing(target)) for target in (in_flight, ender, late)]
+    errors = []
+    threads = [threading.Thread(target=run_closing(target, errors)) for target in (in_flight, ender, late)]
     try:
         threads[0].start()
         assert holding.wait(GIVE_UP_S)
@@ -130,14 +133,21 @@ def test_a_creator_arriving_while_a_cancel_waits_queues_behind_it_and_is_refused
             if thread.ident is not None:  # started
                 thread.join(GIVE_UP_S)
     assert not any(thread.is_alive() for thread in threads)
+    assert errors == []  # the creator in and the end both committed
     expected = exceptions.ScopeCancelled if end is run_cancel else exceptions.ScopeCompleted
     assert isinstance(outcome["late"], expected)
+    ended = RunState.CANCELLED if end is run_cancel else RunState.COMPLETED
+    assert Run.objects.get(id=root.id).stored_state == ended
 
 
-def run_closing(target):
+def run_closing(target, errors):
+    """Run ``target`` on this thread's own connection, closed after; record what it raised in ``errors``."""
+
     def wrapped():
         try:
             target()
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            errors.append(exc)
         finally:
             connection.close()
 
