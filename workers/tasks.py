@@ -93,12 +93,13 @@ def sweep_timers() -> int:
 def sweep_leases() -> int:
     """Settle expired leases and cancel graces; expire budget reservations past their ttl."""
     from coordination.services.budgets import reservations_expire_due
-    from coordination.services.messages import messages_cancel_orphaned_in_flight
+    from coordination.services.messages import messages_cancel_orphaned_in_flight, messages_dead_letter_exhausted
     from coordination.services.pools import pools_settle_due
     from coordination.services.sweeps import tasks_settle_expired_leases
 
     return (
         _drain(tasks_settle_expired_leases)
+        + _drain(messages_dead_letter_exhausted)  # delivered maxAttempts times: dead-lettered, never again
         + _drain(messages_cancel_orphaned_in_flight)
         + _drain(pools_settle_due)  # pool leases past their expiry free their units and grant waiters
         + _drain(reservations_expire_due)  # budget reservations past their ttl hand their amounts back

@@ -5,6 +5,11 @@ message out until ``visible_at``; once that passes without an answer the message
 delivered again. Each operation on a delivery locks the message and checks that fence, so a
 consumer whose visibility ran out (or whose message was handed to someone else) changes
 nothing and hears ``LEASE_LOST`` or, for a complete, the run's refusal code.
+
+A message delivered its mailbox's ``maxAttempts`` times without completion (retried, or its
+visibility run out) is dead-lettered with reason ``max_attempts`` instead of being handed
+out again (DESIGN.md "Mailboxes"): by the retry itself, by the next receive that finds it,
+or by the lease sweep. ``_exhausted`` is that rule, the one place it is written.
 """
 
 import uuid
@@ -30,6 +35,24 @@ MAX_DELIVERIES_PER_CALL = 100
 MAX_DELAY_MS = 24 * 3600 * 1000
 CASCADE_CHUNK = 2000
 RECEIVABLE = (MessageState.QUEUED, MessageState.IN_FLIGHT)
+MAX_ATTEMPTS_REASON = "max_attempts"
+
+
+def _exhausted(message: Message, mailbox: Mailbox) -> bool:
+    """Tell whether ``message`` has been delivered as often as its mailbox allows."""
+    return message.attempts >= mailbox.max_attempts
+
+
+def _dead_letter(messages: list[Message], now: datetime, reason: str | None) -> None:
+    """Dead-letter ``messages`` (locked by the caller) with ``reason``, and record each one's event."""
+    if not messages:
+        return
+    Message.objects.filter(id__in=[m.id for m in messages]).update(
+        state=MessageState.DEAD_LETTERED, dead_letter_reason=reason, finished_at=now
+    )
+    for message in messages:
+        message.state, message.dead_letter_reason, message.finished_at = MessageState.DEAD_LETTERED, reason, now
+    events_record_many([event_for(m, "message.dead_lettered", attempt=m.attempts, reason=reason) for m in messages])
 
 
 @dataclass(frozen=True)
@@ -142,11 +165,23 @@ def message_receive(
     now = timezone.now()
     # SKIP LOCKED: a row another receiver holds is theirs; we never wait for it. A row it
     # committed meanwhile is re-checked against visible_at <= now, so it is not taken twice.
-    candidates = list(
+    receivable = (
         Message.objects.filter(mailbox=mailbox, run_id=run_id, state__in=RECEIVABLE, visible_at__lte=now)
         .order_by("created_at", "id")
-        .select_for_update(skip_locked=True)[:max_messages]
+        .select_for_update(skip_locked=True)
     )
+    candidates: list[Message] = []
+    exhausted: list[Message] = []
+    while len(candidates) < max_messages:
+        wanted = max_messages - len(candidates)
+        batch = list(receivable.exclude(id__in=[m.id for m in candidates + exhausted])[:wanted])
+        spent = [m for m in batch if _exhausted(m, mailbox)]
+        candidates += [m for m in batch if not _exhausted(m, mailbox)]
+        exhausted += spent
+        if len(batch) < wanted or not spent:
+            break
+    # A message delivered maxAttempts times is dead-lettered here rather than handed out again.
+    _dead_letter(exhausted, now, MAX_ATTEMPTS_REASON)
     visible_until = now + timedelta(milliseconds=visibility_ms or mailbox.lease_ttl_ms)
     if candidates:
         Message.objects.filter(id__in=[m.id for m in candidates]).update(
@@ -224,6 +259,9 @@ def delivery_complete(*, project_id: uuid.UUID, delivery_id: str) -> Message:
 def delivery_retry(*, project_id: uuid.UUID, delivery_id: str, delay_ms: int = 0) -> Message:
     """Put the message back in the queue, visible again after ``delay_ms``.
 
+    The delivery that was the message's last allowed one dead-letters it instead
+    (``max_attempts``).
+
     Allowed after the run went inactive, but such a message can never be received again:
     it is ``CANCELLED`` instead.
     """
@@ -233,6 +271,9 @@ def delivery_retry(*, project_id: uuid.UUID, delivery_id: str, delay_ms: int = 0
     if not locked.held:
         raise _lease_lost(locked, delivery_id)
     message = locked.message
+    if _exhausted(message, message.mailbox):  # before the run's state, as in the sweeps
+        _dead_letter([message], locked.now, MAX_ATTEMPTS_REASON)
+        return message
     if locked.refusal is None:
         message.state = MessageState.QUEUED
         message.visible_at = locked.now + timedelta(milliseconds=delay_ms)
@@ -252,13 +293,8 @@ def delivery_reject(*, project_id: uuid.UUID, delivery_id: str, reason: str | No
     locked = _lock_delivery(project_id, delivery_id)
     if not locked.held:
         raise _lease_lost(locked, delivery_id)
-    message = locked.message
-    message.state = MessageState.DEAD_LETTERED
-    message.dead_letter_reason = reason
-    message.finished_at = locked.now
-    message.save(update_fields=["state", "dead_letter_reason", "finished_at"])
-    _record(message, "message.dead_lettered", attempt=message.attempts, reason=reason)
-    return message
+    _dead_letter([locked.message], locked.now, reason)
+    return locked.message
 
 
 # Extend: the delivery's visibility, fenced like a claim's renewal ----------------------------
@@ -356,13 +392,34 @@ def messages_cancel_orphaned_in_flight(*, now: datetime | None = None, batch_siz
     now = now or timezone.now()
     due = list(
         Message.objects.filter(state=MessageState.IN_FLIGHT, visible_at__lte=now)
+        # An exhausted message is dead-lettered instead (messages_dead_letter_exhausted).
+        .filter(attempts__lt=F("mailbox__max_attempts"))
         .filter(_run_chain_inactive(now))
         .order_by("id")
-        .select_for_update(skip_locked=True)[:batch_size]
+        .select_for_update(skip_locked=True, of=("self",))[:batch_size]
     )
     if due:
         Message.objects.filter(id__in=[m.id for m in due]).update(state=MessageState.CANCELLED, finished_at=now)
     events_record_many([event_for(m, "message.cancelled", cause="visibility_expired_run_inactive") for m in due])
+    return len(due)
+
+
+@transaction.atomic
+def messages_dead_letter_exhausted(*, now: datetime | None = None, batch_size: int = 500) -> int:
+    """Dead-letter in-flight messages whose last allowed delivery ran out; return how many.
+
+    A receive would dead-letter them when it came to them; this sweep does it for a queue
+    nobody receives from any more, whatever the state of the message's run.
+    """
+    now = now or timezone.now()
+    due = list(
+        Message.objects.filter(
+            state=MessageState.IN_FLIGHT, visible_at__lte=now, attempts__gte=F("mailbox__max_attempts")
+        )
+        .order_by("id")
+        .select_for_update(skip_locked=True, of=("self",))[:batch_size]
+    )
+    _dead_letter(due, now, MAX_ATTEMPTS_REASON)
     return len(due)
 
 

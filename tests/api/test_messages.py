@@ -12,7 +12,11 @@ import pytest
 from django.db import connection
 
 from coordination.models import Event, Mailbox, Message, Run
-from coordination.services.messages import message_send, messages_cancel_orphaned_in_flight
+from coordination.services.messages import (
+    message_send,
+    messages_cancel_orphaned_in_flight,
+    messages_dead_letter_exhausted,
+)
 from coordination.services.runs import run_cancel
 from tests.conftest import make_client
 
@@ -264,6 +268,94 @@ def test_reject_dead_letters_and_the_message_stays_readable(api, run):
 def test_reject_without_reason(api, run):
     send(api, run)
     assert act(api, receive(api, run)[0], "reject").json()["deadLetterReason"] is None
+
+
+# Poison messages: maxAttempts ------------------------------------------------------------
+
+
+def _mailbox_max_attempts(api, n):
+    response = api.put("/v1/mailboxes/inbox", {"mode": "QUEUE", "maxAttempts": n}, format="json")
+    assert response.status_code in (200, 201), response.json()
+
+
+def test_a_message_retried_max_attempts_times_is_dead_lettered(api, run):
+    """DESIGN.md "Mailboxes": delivered ``maxAttempts`` times without completion, a poison message is dead-lettered."""
+    message = send(api, run, {"poison": True})
+    for attempt in (1, 2):
+        delivery = receive(api, run)[0]
+        assert delivery["attempt"] == attempt
+        retried = act(api, delivery, "retry").json()
+        assert retried["state"] == "QUEUED"
+    third = receive(api, run)[0]
+    assert third["attempt"] == 3
+    answer = act(api, third, "retry")
+    assert answer.status_code == 200, answer.json()
+    assert (answer.json()["state"], answer.json()["deadLetterReason"]) == ("DEAD_LETTERED", "max_attempts")
+    read = get(api, message["id"])
+    assert (read["state"], read["attempts"], read["deadLetterReason"]) == ("DEAD_LETTERED", 3, "max_attempts")
+    assert read["finishedAt"] is not None
+    assert receive(api, run) == []
+    dead = Event.objects.get(type="message.dead_lettered", subject_id=message["id"])
+    assert dead.data == {"attempt": 3, "reason": "max_attempts"}
+    err(act(api, third, "complete"), 409, "LEASE_LOST")
+
+
+def test_a_message_whose_visibility_runs_out_max_attempts_times_is_dead_lettered_on_receive(api, run):
+    _mailbox_max_attempts(api, 2)
+    poison = send(api, run, {"poison": True})
+    for attempt in (1, 2):
+        assert [d["attempt"] for d in receive(api, run)] == [attempt]
+        expire_visibility(poison["id"])
+    healthy = send(api, run, {"n": 1})
+    # The exhausted message is dead-lettered in the receiving transaction, and the receive
+    # hands out the next message instead of coming back empty.
+    deliveries = receive(api, run, max=1)
+    assert [(d["messageId"], d["attempt"]) for d in deliveries] == [(healthy["id"], 1)]
+    read = get(api, poison["id"])
+    assert (read["state"], read["attempts"], read["deadLetterReason"]) == ("DEAD_LETTERED", 2, "max_attempts")
+    assert event_types(poison["id"])[-1] == "message.dead_lettered"
+    assert Event.objects.get(type="message.dead_lettered", subject_id=poison["id"]).data == {
+        "attempt": 2,
+        "reason": "max_attempts",
+    }
+
+
+def test_the_sweep_dead_letters_an_exhausted_message_nobody_receives(api, run):
+    _mailbox_max_attempts(api, 1)
+    poison = send(api, run)
+    other = send(api, run)
+    receive(api, run, max=2)
+    expire_visibility(poison["id"])  # ``other`` is still within its visibility lease
+    assert messages_dead_letter_exhausted() == 1
+    assert messages_dead_letter_exhausted() == 0
+    assert (get(api, poison["id"])["state"], get(api, poison["id"])["deadLetterReason"]) == (
+        "DEAD_LETTERED",
+        "max_attempts",
+    )
+    assert get(api, other["id"])["state"] == "IN_FLIGHT"
+
+
+def test_an_exhausted_message_under_a_cancelled_run_is_dead_lettered_not_cancelled(api, run):
+    """The attempts rule comes first, whichever sweep reaches the message first."""
+    _mailbox_max_attempts(api, 1)
+    poison = send(api, run)
+    receive(api, run)
+    assert api.post(f"/v1/runs/{run['id']}/cancel", {}, format="json").status_code == 200
+    expire_visibility(poison["id"])
+    assert messages_cancel_orphaned_in_flight() == 0
+    assert messages_dead_letter_exhausted() == 1
+    assert get(api, poison["id"])["state"] == "DEAD_LETTERED"
+
+
+def test_lowering_max_attempts_applies_to_a_message_already_delivered_that_often(api, run):
+    message = send(api, run)
+    delivery = receive(api, run)[0]
+    act(api, delivery, "retry")
+    receive(api, run)
+    expire_visibility(message["id"])
+    _mailbox_max_attempts(api, 2)
+    assert receive(api, run) == []
+    assert get(api, message["id"])["deadLetterReason"] == "max_attempts"
 
 
 # Run cancel, complete and deadline -------------------------------------------------------
