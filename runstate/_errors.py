@@ -81,6 +81,22 @@ class LeaseLostError(ConflictError):
     """409 ``LEASE_LOST``: the claim or delivery no longer holds its task or message."""
 
 
+class LimitExhaustedError(ConflictError):
+    """409: a shared limit has no room now (``details`` says how much there is)."""
+
+
+class PoolExhaustedError(LimitExhaustedError):
+    """409 ``POOL_EXHAUSTED``: not granted in time (``details``: capacity, inUse, waiting)."""
+
+
+class QuotaExhaustedError(LimitExhaustedError):
+    """409 ``QUOTA_EXHAUSTED``: the tokens are not there (``details["retryAfterMs"]``: when they will be)."""
+
+
+class BudgetExhaustedError(LimitExhaustedError):
+    """409 ``BUDGET_EXHAUSTED``: a budget of the chain lacks room (``details["remaining"]``)."""
+
+
 class RateLimitedError(RunstateError):
     """429 ``RATE_LIMITED``; ``retry_after`` is the server's hint in seconds, if any."""
 
@@ -114,6 +130,9 @@ CONFLICT_CLASSES: dict[str, type[ConflictError]] = {
     "BARRIER_CANCELLED": ConflictError,
     "BARRIER_NOT_RELEASED": ConflictError,
     "TIMER_FIRED": ConflictError,
+    "POOL_EXHAUSTED": PoolExhaustedError,
+    "QUOTA_EXHAUSTED": QuotaExhaustedError,
+    "BUDGET_EXHAUSTED": BudgetExhaustedError,
     "INVALID_STATE": ConflictError,
 }
 

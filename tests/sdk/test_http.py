@@ -19,11 +19,14 @@ from coordination import exceptions as server_exceptions
 from runstate import (
     AsyncRunstate,
     AuthenticationError,
+    BudgetExhaustedError,
     ConflictError,
     DeadlineExceededError,
     LeaseLostError,
     NotFoundError,
     PermissionDeniedError,
+    PoolExhaustedError,
+    QuotaExhaustedError,
     RateLimitedError,
     Runstate,
     RunstateError,
@@ -55,6 +58,9 @@ CONFLICT_CODES = [
     "BARRIER_CANCELLED",
     "BARRIER_NOT_RELEASED",
     "TIMER_FIRED",
+    "POOL_EXHAUSTED",
+    "QUOTA_EXHAUSTED",
+    "BUDGET_EXHAUSTED",
     "INVALID_STATE",
 ]
 SPECIFIC_CONFLICTS = {
@@ -62,6 +68,9 @@ SPECIFIC_CONFLICTS = {
     "SCOPE_COMPLETED": ScopeCompletedError,
     "DEADLINE_EXCEEDED": DeadlineExceededError,
     "LEASE_LOST": LeaseLostError,
+    "POOL_EXHAUSTED": PoolExhaustedError,
+    "QUOTA_EXHAUSTED": QuotaExhaustedError,
+    "BUDGET_EXHAUSTED": BudgetExhaustedError,
 }
 # Every status/code pair of DESIGN.md's table (plus the service's 500 and 503), and the class it maps to.
 PAIRS = [
@@ -141,6 +150,8 @@ def test_the_conflict_hierarchy_of_design_md():
     assert issubclass(DeadlineExceededError, ConflictError)
     assert issubclass(ScopeCompletedError, ScopeInactiveError)
     assert issubclass(LeaseLostError, ConflictError)
+    for cls in (PoolExhaustedError, QuotaExhaustedError, BudgetExhaustedError):
+        assert issubclass(cls, runstate.LimitExhaustedError) and issubclass(cls, ConflictError)
     for cls in (NotFoundError, ConflictError, PermissionDeniedError, AuthenticationError, ValidationError):
         assert issubclass(cls, RunstateError)
         assert getattr(runstate, cls.__name__) is cls

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from runstate import AsyncRunstate, ConflictError, Runstate, ScopeCancelledError
+from runstate import AsyncRunstate, PoolExhaustedError, Runstate, ScopeCancelledError
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -23,7 +23,7 @@ def test_async_acquire_renews_in_the_background_and_releases_on_exit(sdk):
                 assert not lease.lost and not lease.signal.is_set()
                 assert (await lease.status())["expiresAt"] > first_expiry
                 assert (await rs.pools.retrieve("gpu"))["inUse"] == 2
-                with pytest.raises(ConflictError) as excinfo:
+                with pytest.raises(PoolExhaustedError) as excinfo:
                     await rs.pools.acquire("gpu", run_id=run.id)
                 assert excinfo.value.code == "POOL_EXHAUSTED"
                 assert excinfo.value.details == {"capacity": 2, "inUse": 2, "waiting": 0}

@@ -4,7 +4,15 @@ import asyncio
 
 import pytest
 
-from runstate import AsyncRunstate, ConflictError, Runstate, ScopeCancelledError, ValidationError
+from runstate import (
+    AsyncRunstate,
+    BudgetExhaustedError,
+    ConflictError,
+    QuotaExhaustedError,
+    Runstate,
+    ScopeCancelledError,
+    ValidationError,
+)
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -16,7 +24,7 @@ def test_quotas_put_take_and_refuse(sdk):
         assert (created["limit"], created["available"]) == (2, 2)
         assert rs.quotas.take("openai", run_id=run.id) == {"granted": True, "remaining": 1}
         assert rs.quotas.take("openai", run_id=run.id, amount=1, wait_ms=0)["remaining"] == 0
-        with pytest.raises(ConflictError) as excinfo:
+        with pytest.raises(QuotaExhaustedError) as excinfo:
             rs.quotas.take("openai", run_id=run.id, wait_ms=1000)  # the token is 30 minutes away
         assert excinfo.value.code == "QUOTA_EXHAUSTED" and excinfo.value.details["retryAfterMs"] > 1000
         with pytest.raises(ValidationError):
@@ -63,7 +71,7 @@ def test_budgets_reserve_as_a_context_manager(sdk):
         assert explicit.data["committed"] == 7
         assert parent_budget.status()["spent"] == 142
 
-        with pytest.raises(ConflictError) as excinfo:
+        with pytest.raises(BudgetExhaustedError) as excinfo:
             rs.budgets.reserve("usd", run_id=child.id, amount=10_000).open()
         assert excinfo.value.code == "BUDGET_EXHAUSTED"
         assert excinfo.value.details == {"remaining": 858, "budgetId": parent_budget.id, "runId": run.id}

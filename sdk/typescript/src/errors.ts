@@ -63,6 +63,18 @@ export class DeadlineExceededError extends ScopeInactiveError {}
 /** 409 `LEASE_LOST`: the claim or delivery no longer holds its task or message. */
 export class LeaseLostError extends ConflictError {}
 
+/** 409: a shared limit has no room now (`details` says how much there is). */
+export class LimitExhaustedError extends ConflictError {}
+
+/** 409 `POOL_EXHAUSTED`: not granted in time (`details`: capacity, inUse, waiting). */
+export class PoolExhaustedError extends LimitExhaustedError {}
+
+/** 409 `QUOTA_EXHAUSTED`: the tokens are not there (`details.retryAfterMs`: when they will be). */
+export class QuotaExhaustedError extends LimitExhaustedError {}
+
+/** 409 `BUDGET_EXHAUSTED`: a budget of the chain lacks room (`details.remaining`). */
+export class BudgetExhaustedError extends LimitExhaustedError {}
+
 /** 429 `RATE_LIMITED`; `retryAfterMs` is the server's `Retry-After` hint, if any. */
 export class RateLimitedError extends RunstateError {
   retryAfterMs: number | null = null;
@@ -93,6 +105,9 @@ const CONFLICT_CLASSES: Record<string, ErrorClass> = {
   SCOPE_COMPLETED: ScopeCompletedError,
   DEADLINE_EXCEEDED: DeadlineExceededError,
   LEASE_LOST: LeaseLostError,
+  POOL_EXHAUSTED: PoolExhaustedError,
+  QUOTA_EXHAUSTED: QuotaExhaustedError,
+  BUDGET_EXHAUSTED: BudgetExhaustedError,
 };
 const KNOWN_CONFLICTS = new Set([
   ...Object.keys(CONFLICT_CLASSES),
@@ -109,9 +124,6 @@ const KNOWN_CONFLICTS = new Set([
   'BARRIER_CANCELLED',
   'BARRIER_NOT_RELEASED',
   'TIMER_FIRED',
-  'POOL_EXHAUSTED',
-  'QUOTA_EXHAUSTED',
-  'BUDGET_EXHAUSTED',
   'INVALID_STATE',
 ]);
 // The other codes name their class whatever the status (a 413 is a `VALIDATION_ERROR` too).

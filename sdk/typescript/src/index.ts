@@ -22,11 +22,15 @@ export { Events, Mailboxes, Runstate, type EventFilter } from './client.js';
 export { Barrier, Barriers, Timer, Timers, type ArmedTimer, type FiredTimer } from './clock.js';
 export {
   AuthenticationError,
+  BudgetExhaustedError,
   ConflictError,
   DeadlineExceededError,
   LeaseLostError,
+  LimitExhaustedError,
   NotFoundError,
   PermissionDeniedError,
+  PoolExhaustedError,
+  QuotaExhaustedError,
   RateLimitedError,
   RunstateError,
   ScopeCancelledError,

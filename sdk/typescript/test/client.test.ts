@@ -5,9 +5,12 @@ import { describe, test } from 'node:test';
 
 import {
   AuthenticationError,
+  BudgetExhaustedError,
   ConflictError,
   LeaseLostError,
   NotFoundError,
+  PoolExhaustedError,
+  QuotaExhaustedError,
   RateLimitedError,
   Runstate,
   RunstateError,
@@ -97,6 +100,9 @@ describe('errors and retries (a fake fetch)', () => {
       [refusal(404, 'NOT_FOUND'), NotFoundError, 'NOT_FOUND'],
       [refusal(409, 'SCOPE_CANCELLED'), ScopeCancelledError, 'SCOPE_CANCELLED'],
       [refusal(409, 'LEASE_LOST'), LeaseLostError, 'LEASE_LOST'],
+      [refusal(409, 'POOL_EXHAUSTED'), PoolExhaustedError, 'POOL_EXHAUSTED'],
+      [refusal(409, 'QUOTA_EXHAUSTED'), QuotaExhaustedError, 'QUOTA_EXHAUSTED'],
+      [refusal(409, 'BUDGET_EXHAUSTED'), BudgetExhaustedError, 'BUDGET_EXHAUSTED'],
       [refusal(409, 'GROUP_CLOSED'), ConflictError, 'GROUP_CLOSED'],
       [new Response('<html>bad gateway</html>', { status: 418 }), RunstateError, 'HTTP_418'],
     ];

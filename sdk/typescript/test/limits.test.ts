@@ -3,7 +3,15 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 
-import { ConflictError, Runstate, ScopeCancelledError, ValidationError } from '../src/index.js';
+import {
+  BudgetExhaustedError,
+  ConflictError,
+  LimitExhaustedError,
+  QuotaExhaustedError,
+  Runstate,
+  ScopeCancelledError,
+  ValidationError,
+} from '../src/index.js';
 import { unique } from './support.js';
 
 describe('quotas', () => {
@@ -16,7 +24,7 @@ describe('quotas', () => {
     assert.deepEqual(await rs.quotas.take(name, { runId: run.id }), { granted: true, remaining: 1 });
     assert.equal((await rs.quotas.take(name, { runId: run.id, amount: 1 })).remaining, 0);
     await assert.rejects(rs.quotas.take(name, { runId: run.id, waitMs: 500 }), (error: unknown) => {
-      assert.ok(error instanceof ConflictError);
+      assert.ok(error instanceof QuotaExhaustedError && error instanceof LimitExhaustedError);
       assert.equal(error.code, 'QUOTA_EXHAUSTED');
       assert.ok(Number(error.details['retryAfterMs']) > 500);
       return true;
@@ -55,7 +63,7 @@ describe('budgets', () => {
     assert.deepEqual([status.spent, status.reserved, status.remaining], [120, 0, 880]);
 
     await assert.rejects(rs.budgets.reserve('usd', { runId: child.id, amount: 5000 }).open(), (error: unknown) => {
-      assert.ok(error instanceof ConflictError);
+      assert.ok(error instanceof BudgetExhaustedError && error instanceof ConflictError);
       assert.equal(error.code, 'BUDGET_EXHAUSTED');
       assert.deepEqual(error.details, { remaining: 880, budgetId: budget.id, runId: run.id });
       return true;

@@ -3,7 +3,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 
-import { ConflictError, Runstate, ScopeCancelledError } from '../src/index.js';
+import { PoolExhaustedError, Runstate, ScopeCancelledError } from '../src/index.js';
 import { requiredEnv, unique, until } from './support.js';
 
 requiredEnv('RUNSTATE_URL');
@@ -21,7 +21,7 @@ describe('pools', () => {
       assert.ok((await lease.status()).expiresAt > first);
       assert.equal((await rs.pools.retrieve(name)).inUse, 2);
       const refused = await rs.pools.acquire(name, { runId: run.id }).catch((error: unknown) => error);
-      assert.ok(refused instanceof ConflictError);
+      assert.ok(refused instanceof PoolExhaustedError);
       assert.equal(refused.code, 'POOL_EXHAUSTED');
       assert.deepEqual(refused.details, { capacity: 2, inUse: 2, waiting: 0 });
     });
