@@ -7,7 +7,8 @@
 The server and key come from ``RUNSTATE_URL`` and ``RUNSTATE_API_KEY`` (or ``--url`` and
 ``--api-key``), the run of ``worker`` from ``--scope`` or ``RUNSTATE_SCOPE_ID``. Exit status:
 0 done, 1 the service refused (printed as ``CODE: message``), 2 a configuration error (bad
-handler path, no run, no URL or key).
+handler path, no run, no key). Without ``RUNSTATE_URL`` it talks to ``http://127.0.0.1:8000``,
+as the clients do.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from runstate._async.client import AsyncRunstate
-from runstate._config import JsonDict
+from runstate._config import DEFAULT_URL, JsonDict
 from runstate._errors import RunstateError
 from runstate._sync.client import Runstate
 from runstate._worker import is_async_callable
@@ -66,10 +67,9 @@ def load_handler(path: str) -> Callable[..., Any]:
 
 
 def _client_options(args: argparse.Namespace) -> tuple[str, str]:
-    url = args.url or os.environ.get("RUNSTATE_URL")
+    # The same default as the clients' (ClientConfig): the local development server.
+    url = args.url or os.environ.get("RUNSTATE_URL") or DEFAULT_URL
     key = args.api_key or os.environ.get("RUNSTATE_API_KEY")
-    if not url:
-        raise ConfigError("no server URL: set RUNSTATE_URL (e.g. http://127.0.0.1:8000) or pass --url")
     if not key:
         raise ConfigError("no API key: set RUNSTATE_API_KEY or pass --api-key")
     return url, key
@@ -270,7 +270,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the ``runstate`` command."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help="the service's base URL (default: $RUNSTATE_URL)")
+    common.add_argument("--url", help=f"the service's base URL (default: $RUNSTATE_URL, else {DEFAULT_URL})")
     common.add_argument("--api-key", help="the API key (default: $RUNSTATE_API_KEY)")
     common.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
 

@@ -3,6 +3,7 @@
 The live-server tests are in tests/sdk/test_cli_live.py and use the helpers here.
 """
 
+import argparse
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runstate import Runstate
+from runstate import Runstate, cli
 from tests.sdk.conftest import ROOT
 
 # The console script ``pip install -e .`` puts next to the interpreter (requirements.txt).
@@ -106,7 +107,6 @@ def test_a_bad_handler_path_is_a_clear_error_with_status_2(handler, message):
     ("unset", "message"),
     [
         ("RUNSTATE_SCOPE_ID", "no run: pass --scope RUN_ID or set RUNSTATE_SCOPE_ID"),
-        ("RUNSTATE_URL", "no server URL"),
         ("RUNSTATE_API_KEY", "no API key"),
     ],
 )
@@ -116,3 +116,13 @@ def test_a_missing_run_url_or_key_is_a_configuration_error(unset, message):
     code, _, err = run_command("worker", "tests.sdk.cli_handlers:echo", "--mailbox", "m", env=env)
     assert code == 2
     assert message in err
+
+
+def test_without_runstate_url_the_command_uses_the_clients_default(monkeypatch):
+    """``runstate worker`` / ``status`` default the URL as ``Runstate()`` does: only the key is required."""
+    monkeypatch.delenv("RUNSTATE_URL", raising=False)
+    monkeypatch.setenv("RUNSTATE_API_KEY", "rs_k_s")
+    args = argparse.Namespace(url=None, api_key=None)
+    assert cli._client_options(args) == ("http://127.0.0.1:8000", "rs_k_s")
+    with Runstate() as rs:
+        assert rs.config.base_url == "http://127.0.0.1:8000"  # the clients' own default
