@@ -4,6 +4,8 @@ Every change made here goes through ``coordination.services``; the admin never w
 state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
 """
 
+from django.contrib import admin
+
 from .admissions import AdmissionAdmin, AdmissionConfigAdmin
 from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
@@ -14,6 +16,11 @@ from .pools import PoolAdmin, PoolLeaseAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
 from .work import MailboxAdmin, MessageAdmin, TaskAdmin
+
+# The operators' console says what it is, not Django's stock "Django administration".
+admin.site.site_header = "runstate"
+admin.site.site_title = "runstate admin"
+admin.site.index_title = "Runs, work and limits"
 
 __all__ = [
     "AdmissionAdmin",

@@ -349,3 +349,12 @@ def test_event_search_matches_subject_or_run_id_exactly(admin_client, project, t
 
     assert {(event.type, event.run_id) for event in by_run.context["cl"].result_list} == {("run.created", child.id)}
     assert list(nothing.context["cl"].result_list) == []
+
+
+@pytest.mark.django_db
+def test_the_admin_says_runstate_not_django(client, admin_client):
+    login = client.get("/admin/login/").content.decode()
+    index = admin_client.get("/admin/").content.decode()
+    for page in (login, index):
+        assert "<title>" in page and "runstate" in page
+        assert "Django administration" not in page and "Django site admin" not in page
