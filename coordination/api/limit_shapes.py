@@ -63,6 +63,12 @@ class BudgetCreateIn(StrictSerializer):
     limit = serializers.IntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
 
 
+class BudgetLimitIn(StrictSerializer):
+    """Body of ``PATCH /v1/budgets/{id}``."""
+
+    limit = serializers.IntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
+
+
 class BudgetOut(serializers.Serializer):
     """A budget: ``remaining = limit - spent - reserved``."""
 

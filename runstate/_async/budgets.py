@@ -23,6 +23,13 @@ class AsyncBudget:
         self.data = await self._http.request("GET", f"/budgets/{segment(self.id)}", idempotent=True)
         return self.data
 
+    async def set_limit(self, limit: int) -> JsonDict:
+        """Change the limit (``resource_config``); never below what is spent and reserved (``ValidationError``)."""
+        self.data = await self._http.request(
+            "PATCH", f"/budgets/{segment(self.id)}", json={"limit": limit}, idempotent=True
+        )
+        return self.data
+
 
 class AsyncReservation:
     """A reservation on the budgets of a run's chain; also a context manager.

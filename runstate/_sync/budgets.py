@@ -24,6 +24,11 @@ class Budget:
         self.data = self._http.request("GET", f"/budgets/{segment(self.id)}", idempotent=True)
         return self.data
 
+    def set_limit(self, limit: int) -> JsonDict:
+        """Change the limit (``resource_config``); never below what is spent and reserved (``ValidationError``)."""
+        self.data = self._http.request("PATCH", f"/budgets/{segment(self.id)}", json={"limit": limit}, idempotent=True)
+        return self.data
+
 
 class Reservation:
     """A reservation on the budgets of a run's chain; also a context manager.

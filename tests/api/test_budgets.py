@@ -204,3 +204,40 @@ def test_validation_and_permissions(project, api, run):
         writer.post(f"/v1/runs/{run['id']}/budgets", {"name": "x", "limit": 1}, format="json"), 403, "PERMISSION_DENIED"
     )
     assert reserve(writer, run, 1).status_code == 201
+
+
+def test_the_limit_is_changed_through_the_api_but_never_below_what_is_spent_and_reserved(project, api, run):
+    usd = create(api, run, limit=100)
+    reservation = reserve(api, run, 30).json()
+    api.post(f"/v1/budget-reservations/{reservation['reservationId']}/commit", {"amount": 20}, format="json")
+    reserve(api, run, 25)  # spent 20 + reserved 25 = 45
+    raised = api.patch(f"/v1/budgets/{usd['id']}", {"limit": 500}, format="json")
+    assert raised.status_code == 200, raised.content
+    assert {k: raised.json()[k] for k in ("limit", "spent", "reserved", "remaining")} == {
+        "limit": 500,
+        "spent": 20,
+        "reserved": 25,
+        "remaining": 455,
+    }
+    assert api.patch(f"/v1/budgets/{usd['id']}", {"limit": 45}, format="json").json()["remaining"] == 0
+    error = err(api.patch(f"/v1/budgets/{usd['id']}", {"limit": 44}, format="json"), 400, "VALIDATION_ERROR")
+    assert error["details"] == {"limit": "at least 45"}
+    err(api.patch(f"/v1/budgets/{usd['id']}", {}, format="json"), 400, "VALIDATION_ERROR")
+    err(api.patch(f"/v1/budgets/{usd['id']}", {"limit": -1}, format="json"), 400, "VALIDATION_ERROR")
+    err(api.patch(f"/v1/budgets/{usd['id']}", {"limit": 50, "spent": 0}, format="json"), 400, "VALIDATION_ERROR")
+    assert Budget.objects.get(id=usd["id"]).limit == 45
+
+
+def test_changing_a_limit_needs_resource_config_and_a_visible_budget(project, api, other_api, run):
+    usd = create(api, run, limit=100)
+    writer = make_client(project, permissions=["coordination_write", "coordination_read"])
+    err(writer.patch(f"/v1/budgets/{usd['id']}", {"limit": 5}, format="json"), 403, "PERMISSION_DENIED")
+    err(other_api.patch(f"/v1/budgets/{usd['id']}", {"limit": 5}, format="json"), 404, "NOT_FOUND")
+    elsewhere = api.post("/v1/runs", {}, format="json").json()
+    bound = make_client(project, run_id=elsewhere["id"])
+    err(bound.patch(f"/v1/budgets/{usd['id']}", {"limit": 5}, format="json"), 404, "NOT_FOUND")
+    err(api.patch("/v1/budgets/not-an-id", {"limit": 5}, format="json"), 404, "NOT_FOUND")
+    assert Budget.objects.get(id=usd["id"]).limit == 100
+    # A key bound to the budget's own run changes it: the budget caps only that subtree.
+    own = make_client(project, run_id=run["id"])
+    assert own.patch(f"/v1/budgets/{usd['id']}", {"limit": 7}, format="json").json()["limit"] == 7

@@ -149,6 +149,7 @@ def cases(a, b):
         ("quotas_take", "post", "/v1/quotas/b-api/take", {"runId": b["run"]}),
         ("budgets_create", "post", f"/v1/runs/{b['run']}/budgets", {"name": "usd", "limit": 5}),
         ("budgets_retrieve", "get", f"/v1/budgets/{b['budget']}", None),
+        ("budgets_set_limit", "patch", f"/v1/budgets/{b['budget']}", {"limit": 1}),
         (
             "budget_reservations_create",
             "post",

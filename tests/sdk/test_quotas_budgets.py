@@ -75,6 +75,12 @@ def test_budgets_reserve_as_a_context_manager(sdk):
             rs.budgets.reserve("usd", run_id=child.id, amount=10_000).open()
         assert excinfo.value.code == "BUDGET_EXHAUSTED"
         assert excinfo.value.details == {"remaining": 858, "budgetId": parent_budget.id, "runId": run.id}
+        assert parent_budget.set_limit(10_142)["remaining"] == 10_000  # spent 142
+        held = rs.budgets.reserve("usd", run_id=child.id, amount=9_000).open()
+        with pytest.raises(ValidationError):
+            parent_budget.set_limit(9_141)  # below spent 142 + reserved 9,000
+        held.release()
+        assert parent_budget.status()["limit"] == 10_142
         with pytest.raises(ConflictError) as excinfo:
             run.budgets.create("usd", 5)
         assert excinfo.value.code == "KEY_CONFLICT"

@@ -27,14 +27,24 @@ class RunBudgetsView(ApiView):
 
 
 class BudgetDetailView(ApiView):
-    """A budget's view."""
+    """A budget's view; its limit changed."""
 
-    required_permissions = {"GET": Permission.COORDINATION_READ}
+    required_permissions = {"GET": Permission.COORDINATION_READ, "PATCH": Permission.RESOURCE_CONFIG}
 
     @extend_schema(operation_id="budgets_retrieve", responses=with_errors({200: ls.BudgetOut}))
     def get(self, request, budget_id):
         """Return the budget: limit, spent, reserved, remaining."""
         return Response(ls.present_budget(selectors.budget_get(self.visibility, budget_id)))
+
+    @extend_schema(
+        operation_id="budgets_set_limit", request=ls.BudgetLimitIn, responses=with_errors({200: ls.BudgetOut})
+    )
+    def patch(self, request, budget_id):
+        """Change the budget's ``limit``: never below what is spent and reserved (``VALIDATION_ERROR``)."""
+        data = self.body(ls.BudgetLimitIn)
+        visible = selectors.budget_get(self.visibility, budget_id)
+        budget = budget_services.budget_set_limit(project_id=self.project_id, budget_id=visible.id, limit=data["limit"])
+        return Response(ls.present_budget(budget))
 
 
 class ReservationCollectionView(ApiView):

@@ -56,6 +56,15 @@ export class Budget {
     this.data = await this.http.request<BudgetData>('GET', `/budgets/${segment(this.id)}`, { idempotent: true });
     return this.data;
   }
+
+  /** Change the limit (`resource_config`); never below what is spent and reserved (`ValidationError`). */
+  async setLimit(limit: number): Promise<BudgetData> {
+    this.data = await this.http.request<BudgetData>('PATCH', `/budgets/${segment(this.id)}`, {
+      body: { limit },
+      idempotent: true,
+    });
+    return this.data;
+  }
 }
 
 /**

@@ -68,6 +68,9 @@ describe('budgets', () => {
       assert.deepEqual(error.details, { remaining: 880, budgetId: budget.id, runId: run.id });
       return true;
     });
+    assert.equal((await budget.setLimit(5120)).remaining, 5000);
+    await assert.rejects(budget.setLimit(119), ValidationError);
+    assert.equal((await budget.status()).limit, 5120);
     const kept = await rs.budgets.reserve('usd', { runId: child.id, amount: 10, key: 'k' }).open();
     const again = await rs.budgets.reserve('usd', { runId: child.id, amount: 10, key: 'k' }).open();
     assert.equal(kept.id, again.id);
