@@ -91,7 +91,10 @@ def test_a_finished_task_is_submitted_again_with_its_input(api, work, state):
     assert (new["expiresAt"], new["cancelReason"], new["key"], new["groupId"]) == (None, None, None, None)
     assert api.get(f"/v1/tasks/{new['id']}").json()["rerunOf"] == old["id"]
     assert api.get(f"/v1/tasks/{old['id']}").json()["rerunOf"] is None
-    assert Event.objects.filter(type="task.submitted", subject_id=new["id"]).count() == 1
+    submitted = Event.objects.get(type="task.submitted", subject_id=new["id"])
+    assert submitted.data["rerunOf"] == old["id"]  # a reader of the events knows it is a rerun
+    page = api.get("/v1/events", {"types": "task.submitted", "runId": work["id"]}).json()["events"]
+    assert [e["data"].get("rerunOf") for e in page if e["subjectId"] == new["id"]] == [old["id"]]
     # The rerun is ordinary work: a worker of the run claims it.
     assert [c["task"]["id"] for c in claim(api, work)] == [new["id"]]
 
@@ -222,7 +225,7 @@ def test_a_member_is_rerun_into_its_open_group(api, project):
     members = api.get(f"/v1/groups/{created['id']}").json()["members"]
     assert [m["taskId"] for m in members] == [old["id"], new["id"]]
     events = Event.objects.filter(type="task.submitted", subject_id=new["id"])
-    assert events.get().data["groupId"] == created["id"]
+    assert (events.get().data["groupId"], events.get().data["rerunOf"]) == (created["id"], old["id"])
 
 
 def test_a_joined_member_is_rerun_on_its_own_run_and_joins_the_same_group(api, project):
