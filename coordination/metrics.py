@@ -1,4 +1,10 @@
-"""Prometheus metrics (``runstate_*``), served without a key at ``/v1/metrics``.
+"""Prometheus metrics (``runstate_*``), served at ``/v1/metrics`` to a scrape token or a project key.
+
+Who sees what (``coordination.api.views.metrics``): the scrape token
+(``RUNSTATE_METRICS_TOKEN``) gets every series of every project, as ``render()`` gives them;
+a project's key gets ``render(project_id=...)``: the series read from the database, counted
+over its project only. The series of the whole service (request counts of the processes,
+sweep lag, the event fold's counters) are the operator's and not in a project's scrape.
 
 Three sources, chosen so that every API process answers a scrape with the same figures:
 
@@ -85,9 +91,14 @@ def _process_registry() -> CollectorRegistry:
 # State, read at scrape time ----------------------------------------------------------------
 
 
-def _by_state(model, field: str, states) -> dict[str, int]:
+def _scoped(rows, project_id: uuid.UUID | None):
+    """Return ``rows`` of one project (every project's when ``project_id`` is None)."""
+    return rows if project_id is None else rows.filter(project_id=project_id)
+
+
+def _by_state(model, field: str, states, project_id: uuid.UUID | None) -> dict[str, int]:
     counts = dict.fromkeys((str(state) for state in states), 0)
-    for state, count in model.objects.order_by().values_list(field).annotate(count=Count("pk")):
+    for state, count in _scoped(model.objects, project_id).order_by().values_list(field).annotate(count=Count("pk")):
         counts[state] = count
     return counts
 
@@ -130,7 +141,7 @@ def sweep_lags(now: datetime) -> dict[str, float]:
     }
 
 
-def _mailbox_families(now: datetime) -> list:
+def _mailbox_families(now: datetime, project_id: uuid.UUID | None) -> list:
     depth = GaugeMetricFamily(
         "runstate_mailbox_queue_depth",
         "Queued tasks (WORK) or messages (QUEUE) per mailbox.",
@@ -144,22 +155,21 @@ def _mailbox_families(now: datetime) -> list:
     found: dict[uuid.UUID, tuple[int, datetime | None]] = {}
     for model, queued in ((Task, TaskState.QUEUED), (Message, MessageState.QUEUED)):
         rows = (
-            model.objects.filter(state=queued)
+            _scoped(model.objects.filter(state=queued), project_id)
             .order_by()
             .values_list("mailbox_id")
             .annotate(count=Count("id"), since=Min("created_at"))
         )
         found.update({mailbox_id: (count, since) for mailbox_id, count, since in rows})
-    for mailbox_id, project_name, name in Mailbox.objects.order_by("project__name", "name").values_list(
-        "id", "project__name", "name"
-    ):
+    mailboxes = _scoped(Mailbox.objects, project_id).order_by("project__name", "name")
+    for mailbox_id, project_name, name in mailboxes.values_list("id", "project__name", "name"):
         count, since = found.get(mailbox_id, (0, None))
         depth.add_metric([project_name, name], count)
         oldest.add_metric([project_name, name], _age_s(since, now))
     return [depth, oldest]
 
 
-def _cancellation_families(now: datetime) -> list:
+def _cancellation_families(now: datetime, project_id: uuid.UUID | None) -> list:
     oldest = GaugeMetricFamily(
         "runstate_cancellation_requested_oldest_seconds",
         "Age of the oldest task still CANCELLATION_REQUESTED per WORK mailbox (0 when none).",
@@ -171,8 +181,8 @@ def _cancellation_families(now: datetime) -> list:
         "(see docs/operations.md, Stuck cancellations).",
         labels=["project", "mailbox"],
     )
-    found = cancellations_by_mailbox(now)
-    mailboxes = Mailbox.objects.filter(mode=MailboxMode.WORK).order_by("project__name", "name")
+    found = cancellations_by_mailbox(now, project_id)
+    mailboxes = _scoped(Mailbox.objects.filter(mode=MailboxMode.WORK), project_id).order_by("project__name", "name")
     for mailbox_id, project_name, name in mailboxes.values_list("id", "project__name", "name"):
         entry = found.get(mailbox_id)
         oldest.add_metric([project_name, name], _age_s(entry.oldest_requested_at if entry else None, now))
@@ -181,28 +191,36 @@ def _cancellation_families(now: datetime) -> list:
 
 
 class DatabaseCollector:
-    """Gauges (and the group decision counter) read from the database at each scrape."""
+    """Gauges (and the group decision counter) read from the database at each scrape.
+
+    With a ``project_id``, every series counts that project's rows only, and the sweep lag
+    (the service's sweeps, over every project) is left out.
+    """
+
+    def __init__(self, project_id: uuid.UUID | None = None) -> None:
+        self.project_id = project_id
 
     def collect(self):  # noqa: D102
-        now = timezone.now()
-        yield _state_gauge("runstate_runs", "Runs by stored state.", _by_state(Run, "stored_state", RunState))
-        yield _state_gauge("runstate_tasks", "Tasks by state.", _by_state(Task, "state", TaskState))
-        yield _state_gauge("runstate_messages", "Queue messages by state.", _by_state(Message, "state", MessageState))
-        yield _state_gauge("runstate_groups", "Task groups by state.", _by_state(TaskGroup, "state", GroupState))
-        yield _state_gauge("runstate_barriers", "Barriers by state.", _by_state(Barrier, "state", BarrierState))
-        yield _state_gauge("runstate_timers", "Timers by state.", _by_state(Timer, "state", TimerState))
+        now, pid = timezone.now(), self.project_id
+        yield _state_gauge("runstate_runs", "Runs by stored state.", _by_state(Run, "stored_state", RunState, pid))
+        yield _state_gauge("runstate_tasks", "Tasks by state.", _by_state(Task, "state", TaskState, pid))
+        messages = _by_state(Message, "state", MessageState, pid)
+        yield _state_gauge("runstate_messages", "Queue messages by state.", messages)
+        yield _state_gauge("runstate_groups", "Task groups by state.", _by_state(TaskGroup, "state", GroupState, pid))
+        yield _state_gauge("runstate_barriers", "Barriers by state.", _by_state(Barrier, "state", BarrierState, pid))
+        yield _state_gauge("runstate_timers", "Timers by state.", _by_state(Timer, "state", TimerState, pid))
         yield GaugeMetricFamily(
             "runstate_leases_active",
             "Claims holding a lease (tasks RUNNING or CANCELLATION_REQUESTED).",
-            value=Task.objects.filter(state__in=TASK_HELD).count(),
+            value=_scoped(Task.objects.filter(state__in=TASK_HELD), pid).count(),
         )
-        yield from _mailbox_families(now)
-        yield from _cancellation_families(now)
+        yield from _mailbox_families(now, pid)
+        yield from _cancellation_families(now, pid)
         decisions = CounterMetricFamily(
             "runstate_group_decisions", "Groups finalized, by outcome and reason.", labels=["outcome", "reason"]
         )
         rows = (
-            TaskGroup.objects.filter(state=GroupState.FINALIZED)
+            _scoped(TaskGroup.objects.filter(state=GroupState.FINALIZED), pid)
             .order_by()
             .values_list("outcome", "outcome_reason")
             .annotate(count=Count("id"))
@@ -210,17 +228,18 @@ class DatabaseCollector:
         for outcome, reason, count in rows:
             decisions.add_metric([outcome or "", reason or ""], count)
         yield decisions
-        lag = GaugeMetricFamily(
-            "runstate_sweep_lag_seconds",
-            "How overdue the oldest item a sweep should have acted on is (0 when none is due).",
-            labels=["sweep"],
-        )
-        for sweep, seconds in sweep_lags(now).items():
-            lag.add_metric([sweep], seconds)
-        yield lag
+        if pid is None:
+            lag = GaugeMetricFamily(
+                "runstate_sweep_lag_seconds",
+                "How overdue the oldest item a sweep should have acted on is (0 when none is due).",
+                labels=["sweep"],
+            )
+            for sweep, seconds in sweep_lags(now).items():
+                lag.add_metric([sweep], seconds)
+            yield lag
         from coordination.metrics_limits import limit_families
 
-        yield from limit_families(now)
+        yield from limit_families(now, pid)
 
 
 # History, folded from the event log ---------------------------------------------------------
@@ -335,12 +354,15 @@ _registry.register(fold)
 
 
 class AdmissionCollector:
-    """Admissions admitted (children still active) and waiting, summed over every run's line."""
+    """Admissions admitted (children still active) and waiting, summed over every run's line (of one project)."""
+
+    def __init__(self, project_id: uuid.UUID | None = None) -> None:
+        self.project_id = project_id
 
     def collect(self):  # noqa: D102
         from coordination.services.admissions import admissions_counts
 
-        counts = admissions_counts()
+        counts = admissions_counts(project_id=self.project_id)
         yield GaugeMetricFamily(
             "runstate_admissions_admitted", "Admitted child runs still active.", value=counts["admitted"]
         )
@@ -350,10 +372,25 @@ class AdmissionCollector:
 _registry.register(AdmissionCollector())
 
 
-def render() -> bytes:
-    """Return every ``runstate_*`` metric in Prometheus' text format (folding new events first)."""
+def render(project_id: uuid.UUID | None = None) -> bytes:
+    """Return the ``runstate_*`` metrics in Prometheus' text format.
+
+    Without ``project_id``: every series of every project (folding new events first). With
+    it: the series read from the database, over that project only; the process's request
+    counts and the event fold's counters, which count every project together, are left out.
+    """
+    if project_id is not None:
+        return generate_latest(_project_registry(project_id))
     fold.advance()
     return generate_latest(_process_registry()) + generate_latest(_registry)
+
+
+def _project_registry(project_id: uuid.UUID) -> CollectorRegistry:
+    """Return a registry of the database-read collectors, each limited to ``project_id``."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in (DatabaseCollector, AdmissionCollector, PoolCollector):
+        registry.register(collector(project_id))
+    return registry
 
 
 # Pools ------------------------------------------------------------------------------------
@@ -361,6 +398,9 @@ def render() -> bytes:
 
 class PoolCollector:
     """Per pool: capacity, units in use and waiters, read at each scrape (never an expired lease)."""
+
+    def __init__(self, project_id: uuid.UUID | None = None) -> None:
+        self.project_id = project_id
 
     def collect(self):  # noqa: D102
         from coordination.models import Pool
@@ -370,7 +410,7 @@ class PoolCollector:
         capacity = GaugeMetricFamily("runstate_pool_capacity", "A pool's capacity in units.", labels=labels)
         in_use = GaugeMetricFamily("runstate_pool_in_use", "Units held by unexpired pool leases.", labels=labels)
         waiting = GaugeMetricFamily("runstate_pool_waiting", "Requests waiting in a pool's queue.", labels=labels)
-        pools = list(Pool.objects.select_related("project").order_by("project__name", "name"))
+        pools = list(_scoped(Pool.objects, self.project_id).select_related("project").order_by("project__name", "name"))
         stats = pool_stats(pools)
         for pool in pools:
             key = [pool.project.name, pool.name]

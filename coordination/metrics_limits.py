@@ -1,5 +1,6 @@
 """Gauges of quotas and budgets, read at each scrape (``coordination.metrics.DatabaseCollector``)."""
 
+import uuid
 from datetime import datetime
 
 from prometheus_client.core import GaugeMetricFamily
@@ -9,8 +10,8 @@ from coordination.services.quotas import available
 from coordination.states import RunState
 
 
-def limit_families(now: datetime) -> list[GaugeMetricFamily]:
-    """Return ``runstate_quota_available`` and ``runstate_budget_remaining``.
+def limit_families(now: datetime, project_id: uuid.UUID | None = None) -> list[GaugeMetricFamily]:
+    """Return ``runstate_quota_available`` and ``runstate_budget_remaining`` (of one project, or of every one).
 
     Budgets are reported only while their own run is ``ACTIVE``: a budget is per run, so
     ended runs would otherwise grow the series without bound.
@@ -18,7 +19,8 @@ def limit_families(now: datetime) -> list[GaugeMetricFamily]:
     quotas = GaugeMetricFamily(
         "runstate_quota_available", "Whole tokens a quota's bucket holds now.", labels=["project", "quota"]
     )
-    for quota in Quota.objects.select_related("project").order_by("project__name", "name"):
+    scope = {} if project_id is None else {"project_id": project_id}
+    for quota in Quota.objects.filter(**scope).select_related("project").order_by("project__name", "name"):
         quotas.add_metric([quota.project.name, quota.name], available(quota, now))
     budgets = GaugeMetricFamily(
         "runstate_budget_remaining",
@@ -26,7 +28,7 @@ def limit_families(now: datetime) -> list[GaugeMetricFamily]:
         labels=["project", "budget", "run"],
     )
     rows = (
-        Budget.objects.filter(run__stored_state=RunState.ACTIVE)
+        Budget.objects.filter(run__stored_state=RunState.ACTIVE, **scope)
         .order_by("project__name", "name", "run_id")
         .values_list("project__name", "name", "run_id", "limit", "spent", "reserved")
     )

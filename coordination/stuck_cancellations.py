@@ -96,11 +96,13 @@ class MailboxCancellations:
     stuck: int = 0
 
 
-def cancellations_by_mailbox(now: datetime) -> dict[uuid.UUID, MailboxCancellations]:
-    """Return, per mailbox with a task asked to stop, its oldest request and its stuck count."""
+def cancellations_by_mailbox(
+    now: datetime, project_id: uuid.UUID | None = None
+) -> dict[uuid.UUID, MailboxCancellations]:
+    """Return, per mailbox with a task asked to stop, its oldest request and its stuck count (of one project or all)."""
     found: dict[uuid.UUID, MailboxCancellations] = defaultdict(MailboxCancellations)
     fields = ("mailbox_id", "cancel_requested_at", "lease_expires_at", "last_renewed_at", "mailbox__lease_ttl_ms")
-    for mailbox_id, requested_at, expires_at, renewed_at, mailbox_ttl_ms in _requested(None).values_list(*fields):
+    for mailbox_id, requested_at, expires_at, renewed_at, mailbox_ttl_ms in _requested(project_id).values_list(*fields):
         entry = found[mailbox_id]
         if entry.oldest_requested_at is None or requested_at < entry.oldest_requested_at:
             entry.oldest_requested_at = requested_at

@@ -237,6 +237,9 @@ RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAY
 # API in bench/throughput.py's batched scenario (about 5,000 items/s), so a busy worker is
 # never throttled by it (docs/operations.md).
 RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "600000/min")
+# A bearer token for Prometheus: /v1/metrics answers it every project's series (a project's key
+# gets its own project's). Empty: no token, only keys read metrics (docs/operations.md).
+RUNSTATE_METRICS_TOKEN = os.environ.get("RUNSTATE_METRICS_TOKEN", "")
 # Seconds an API process keeps an API key or mailbox it read (0: off). A change to either row
 # reaches every process through NOTIFY at once (coordination/process_cache.py); this bounds
 # how long an entry lives regardless.

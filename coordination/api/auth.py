@@ -1,7 +1,9 @@
-"""Bearer API-key authentication and per-view permissions."""
+"""Bearer API-key authentication (and the metrics scrape token) and per-view permissions."""
 
+import hmac
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.utils import timezone
 from rest_framework import authentication, permissions
 from rest_framework.exceptions import AuthenticationFailed
@@ -29,6 +31,37 @@ class Principal:
         """Return what this key can see."""
         bound = self.api_key.run.path if self.api_key.run_id else None
         return Visibility(project_id=self.api_key.project_id, bound_path=bound)
+
+
+@dataclass(frozen=True)
+class MetricsScraper:
+    """The caller that presented ``RUNSTATE_METRICS_TOKEN``: Prometheus, which sees every project's metrics."""
+
+    is_authenticated = True
+    is_anonymous = False
+
+
+class MetricsTokenAuthentication(authentication.BaseAuthentication):
+    """``Authorization: Bearer <RUNSTATE_METRICS_TOKEN>``, for ``/v1/metrics`` only.
+
+    Anything else (an API key, a wrong token) is left to ``ApiKeyAuthentication``, listed
+    after this one, which refuses what is not a usable key.
+    """
+
+    def authenticate(self, request):  # noqa: D102
+        token = settings.RUNSTATE_METRICS_TOKEN
+        if not token:
+            return None
+        header = authentication.get_authorization_header(request).split()
+        if len(header) != 2 or header[0].lower() != b"bearer":
+            return None
+        # Constant time: how much of a guess matched must not show in the answer's timing.
+        if hmac.compare_digest(header[1], token.encode()):
+            return MetricsScraper(), None
+        return None
+
+    def authenticate_header(self, request):  # noqa: D102
+        return 'Bearer realm="runstate"'
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):
@@ -76,5 +109,23 @@ class HasKeyPermission(permissions.BasePermission):
             needed = getattr(view, "required_permissions", {}).get("GET", needed)
         if not principal.api_key.has_permission(needed):
             self.message = f"The API key lacks the '{needed}' permission."
+            return False
+        return True
+
+
+class CanReadMetrics(HasKeyPermission):
+    """The scrape token, or a project-wide key with ``coordination_read`` (``/v1/metrics``).
+
+    A key bound to a run is refused: the metrics are per project (mailboxes, pools, quotas are
+    the project's), wider than the subtree such a key may see.
+    """
+
+    def has_permission(self, request, view):  # noqa: D102
+        if isinstance(request.user, MetricsScraper):
+            return True
+        if not super().has_permission(request, view):
+            return False
+        if request.user.api_key.run_id is not None:
+            self.message = "A key bound to a run cannot read metrics: they cover the whole project."
             return False
         return True

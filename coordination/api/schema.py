@@ -18,6 +18,22 @@ class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
         }
 
 
+class MetricsTokenAuthenticationScheme(OpenApiAuthenticationExtension):
+    """Describe ``MetricsTokenAuthentication`` (``RUNSTATE_METRICS_TOKEN``) as an HTTP bearer scheme."""
+
+    target_class = "coordination.api.auth.MetricsTokenAuthentication"
+    name = "metricsToken"
+
+    def get_security_definition(self, auto_schema):
+        """Return the security scheme object."""
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "The server's `RUNSTATE_METRICS_TOKEN` (for Prometheus): "
+            "`Authorization: Bearer <token>`, on `/v1/metrics` only.",
+        }
+
+
 def _error(description: str, *, retry_after: bool = False) -> dict:
     response = {
         "description": description,

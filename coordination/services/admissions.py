@@ -368,9 +368,10 @@ def admissions_end_subtree(end: SubtreeEnd) -> None:
     events_record_many(events)
 
 
-def admissions_counts() -> dict[str, int]:
-    """Return how many admissions are admitted (still active) and waiting, over every project."""
-    sums = AdmissionConfig.objects.aggregate(admitted=Sum("admitted"), waiting=Sum("waiting"))
+def admissions_counts(*, project_id: uuid.UUID | None = None) -> dict[str, int]:
+    """Return how many admissions are admitted (still active) and waiting, over one project or every project."""
+    configs = AdmissionConfig.objects if project_id is None else AdmissionConfig.objects.filter(project_id=project_id)
+    sums = configs.aggregate(admitted=Sum("admitted"), waiting=Sum("waiting"))
     return {"admitted": sums["admitted"] or 0, "waiting": sums["waiting"] or 0}
 
 

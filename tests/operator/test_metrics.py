@@ -3,6 +3,7 @@
 import datetime as dt
 
 import pytest
+from django.test import override_settings
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,9 +39,18 @@ NAMED = [
 ]
 
 
+# The scrape token (RUNSTATE_METRICS_TOKEN) that Prometheus presents: it sees every series.
+SCRAPE_TOKEN = "test-scrape-token-0123456789abcdef"
+
+
 def scrape(client) -> dict[tuple[str, tuple], float]:
-    """Return every sample as {(name, sorted labels): value}."""
-    response = client.get("/v1/metrics", HTTP_ACCEPT="application/openmetrics-text;version=1.0.0,*/*;q=0.1")
+    """Return every sample, as Prometheus scrapes them with the token, as {(name, sorted labels): value}."""
+    with override_settings(RUNSTATE_METRICS_TOKEN=SCRAPE_TOKEN):
+        response = client.get(
+            "/v1/metrics",
+            HTTP_ACCEPT="application/openmetrics-text;version=1.0.0,*/*;q=0.1",
+            HTTP_AUTHORIZATION=f"Bearer {SCRAPE_TOKEN}",
+        )
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
     samples = {}
@@ -60,7 +70,7 @@ def total(samples, name: str, **labels) -> float:
     return sum(v for (n, lbls), v in samples.items() if n == name and wanted <= set(lbls))
 
 
-def test_metrics_need_no_key_and_expose_every_named_series(anon, api, project):
+def test_the_scrape_token_gets_every_named_series(anon, api, project):
     mailbox_ensure(project_id=project.id, name="jobs", mode="WORK")
     # Labelled series appear once something is counted: a request, a decided group.
     assert api.get("/v1/runs").status_code == 200
@@ -168,9 +178,9 @@ def test_the_schema_documents_metrics_as_plain_text(anon):
     assert "text/plain" in operation["responses"]["200"]["content"]
 
 
-def test_a_wrong_method_is_405_with_the_json_envelope(anon):
+def test_a_wrong_method_is_405_with_the_json_envelope(api):
     """The text renderer once answered a 405 with the bare word ``error`` (found by the method sweep)."""
-    response = anon.delete("/v1/metrics")
+    response = api.delete("/v1/metrics")
     assert response.status_code == 405
     assert response["Content-Type"] == "application/json"
     assert response.json()["error"]["code"] == "METHOD_NOT_ALLOWED"

@@ -37,11 +37,17 @@ def test_limits_are_per_key(project):
         assert second.get("/v1/runs").status_code == 200
 
 
-def test_probes_schema_and_metrics_are_not_limited(project, anon):
-    with override_settings(RUNSTATE_RATE_LIMIT="1/hour"):
+def test_probes_schema_and_the_metrics_scrape_token_are_not_limited(project, anon):
+    with override_settings(RUNSTATE_RATE_LIMIT="1/hour", RUNSTATE_METRICS_TOKEN="scrape-token-0123456789"):
         for _ in range(3):
             assert anon.get("/v1/healthz").status_code == 200
-            assert anon.get("/v1/metrics").status_code == 200
+            assert anon.get("/v1/metrics", HTTP_AUTHORIZATION="Bearer scrape-token-0123456789").status_code == 200
+
+
+def test_a_keys_metrics_scrape_counts_against_its_limit(project):
+    client = make_client(project)
+    with override_settings(RUNSTATE_RATE_LIMIT="2/hour"):
+        assert [client.get("/v1/metrics").status_code for _ in range(3)] == [200, 200, 429]
 
 
 def test_off_disables_limits(project):

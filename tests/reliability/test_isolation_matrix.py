@@ -27,7 +27,7 @@ pytestmark = pytest.mark.django_db
 NO_FOREIGN_IDS = {
     "healthz": "no data",
     "readyz": "no data",
-    "metrics": "aggregate counters only, no ids",
+    "metrics": "takes no id; a key's scrape is its own project's series (tests/operator/test_metrics_access.py)",
     "mailboxes_ensure": "mailbox names are per project: ensuring B's name creates A's own mailbox",
     "pools_put": "pool names are per project: putting B's name creates A's own pool",
     "quotas_put": "quota names are per project: putting B's name creates A's own quota",

@@ -239,7 +239,7 @@ def authorization_for(case, key_kind: str, world: dict) -> dict:
 
 
 def needs_key(case) -> bool:
-    """Whether the operation declares the bearer scheme (probes and metrics do not)."""
+    """Whether the operation declares the bearer scheme (the probes do not; metrics take a key or the scrape token)."""
     return any("bearerAuth" in requirement for requirement in case.operation.definition.raw.get("security", []))
 
 
