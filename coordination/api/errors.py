@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 _DRF_CODES: list[tuple[type[drf.APIException], str]] = [
     (drf.ValidationError, "VALIDATION_ERROR"),
     (drf.ParseError, "VALIDATION_ERROR"),
-    (drf.UnsupportedMediaType, "VALIDATION_ERROR"),
+    (drf.UnsupportedMediaType, "UNSUPPORTED_MEDIA_TYPE"),
     (drf.NotAuthenticated, "UNAUTHENTICATED"),
     (drf.AuthenticationFailed, "UNAUTHENTICATED"),
     (drf.PermissionDenied, "PERMISSION_DENIED"),

@@ -56,7 +56,7 @@ KEYED_ERRORS = {
 # Any operation that reads a JSON body may give these.
 BODY_ERRORS = {
     "413": _error("VALIDATION_ERROR: the request body is too large"),
-    "415": _error("VALIDATION_ERROR: the request body is not JSON"),
+    "415": _error("UNSUPPORTED_MEDIA_TYPE: the request body is not JSON"),
 }
 
 

@@ -23,7 +23,19 @@ def test_deeply_nested_json_is_400(api):
 
 def test_wrong_content_type_is_a_4xx_with_a_code(api):
     response = api.post("/v1/runs", data="{}", content_type="text/plain")
-    assert response.status_code == 415 and code(response) == "VALIDATION_ERROR"
+    assert response.status_code == 415 and code(response) == "UNSUPPORTED_MEDIA_TYPE"
+
+
+@pytest.mark.parametrize("debug", [True, False])
+@pytest.mark.parametrize("path", ["/v1/nope", "/v1/runs/x/y/z", "/v1/", "/v1"])
+def test_an_unknown_api_path_answers_the_json_envelope_whatever_debug_says(api, settings, debug, path):
+    """Django's own 404 page (HTML, and under DEBUG a list of every route) never answers under /v1."""
+    settings.DEBUG = debug
+    for method in (api.get, api.post, api.delete):
+        response = method(path)
+        assert response.status_code == 404, (path, response.content[:200])
+        assert response["Content-Type"] == "application/json"
+        assert code(response) == "NOT_FOUND"
 
 
 @pytest.mark.parametrize(
