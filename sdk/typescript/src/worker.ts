@@ -72,15 +72,16 @@ export class TaskContext<I = unknown> {
     this.signal = controller.signal;
   }
 
+  // The two checks are bound to this context (arrow properties, not prototype methods), so a
+  // handler may destructure them: `async ({ input, signal, isCancellationRequested }) => ...`.
+
   /** Return whether the handler should stop (cancellation requested, lease lost, run refused or stopping). */
-  isCancellationRequested(): boolean {
-    return this.signal.aborted;
-  }
+  readonly isCancellationRequested = (): boolean => this.signal.aborted;
 
   /** Throw the signal's reason (an `AbortError`) if the handler should stop. */
-  throwIfCancellationRequested(): void {
+  readonly throwIfCancellationRequested = (): void => {
     this.signal.throwIfAborted();
-  }
+  };
 
   /** @internal Abort the signal, remembering the first reason. */
   trip(reason: StopReason): void {

@@ -10,7 +10,17 @@ import { createServer, type IncomingMessage, type Server } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { after, before, describe, test } from 'node:test';
 
-import { Runstate, task, type Schema, type TaskContext, type TaskData, type Ticket, type Worker } from '../src/index.js';
+import {
+  Runstate,
+  task,
+  type Handler,
+  type Schema,
+  type TaskContext,
+  type TaskData,
+  type TaskDefinition,
+  type Ticket,
+  type Worker,
+} from '../src/index.js';
 import { unique, until } from './support.js';
 
 // Renewals every second: room for a slow request on a busy machine (or SQLite) before the lease runs out.
@@ -79,13 +89,35 @@ function rebuildIndex(cooperate: boolean) {
   });
 }
 
-async function scenario(cooperate: boolean): Promise<{ requested: TaskData; task: TaskData; summary: Awaited<ReturnType<Worker['run']>> }> {
+/** The same handler as a plain function that destructures its context: the methods work detached. */
+function rebuildIndexDestructured() {
+  return async ({ input, signal, isCancellationRequested, throwIfCancellationRequested }: TaskContext<unknown>) => {
+    const { indexId } = rebuildInput.parse(input);
+    throwIfCancellationRequested();
+    try {
+      const response = await fetch(new URL(`/indexes/${encodeURIComponent(indexId)}/rebuild`, env.SEARCH_API_URL), {
+        method: 'POST',
+        signal,
+      });
+      if (!response.ok) throw new Error(`Search API returned ${response.status}`);
+    } catch (cause) {
+      seen.error = cause;
+      if (isCancellationRequested()) return;
+      throw cause;
+    }
+  };
+}
+
+async function scenario(
+  cooperate: boolean,
+  handler: Handler | TaskDefinition<{ indexId: string }> = rebuildIndex(cooperate),
+): Promise<{ requested: TaskData; task: TaskData; summary: Awaited<ReturnType<Worker['run']>> }> {
   const rs = new Runstate();
   const mailbox = unique('search');
   await rs.mailboxes.ensure(mailbox, { mode: 'WORK', leaseTtlMs: LEASE_TTL_MS });
   const run = await rs.scopes.create();
   const ticket: Ticket = await run.tasks.submit(mailbox, { indexId: 'products/en' });
-  const worker = run.worker(mailbox, rebuildIndex(cooperate), { handleSignals: false });
+  const worker = run.worker(mailbox, handler, { handleSignals: false });
   const running = worker.run();
   const before = api.requests.length;
   await until(() => api.requests.length > before, 'the handler to call the search API');
@@ -119,6 +151,16 @@ describe('Runlane: cancel runs (cooperative cancellation through context.signal)
     assert.equal(last?.abortedByClient, true); // the fetch was aborted, not answered
     assert.ok(seen.context?.signal.aborted);
     assert.equal(seen.context?.stopReason, 'cancellation_requested');
+    assert.equal((seen.error as Error).name, 'AbortError');
+    assert.deepEqual(summary, { completed: 1, failed: 0, lost: 0, released: 0, stopReason: 'stopped' });
+  });
+
+  test('a handler that destructures its context cooperates the same way and is recorded CANCELLED', async () => {
+    const { task, summary } = await scenario(true, rebuildIndexDestructured());
+
+    assert.equal(task.state, 'CANCELLED');
+    assert.equal(task.attempts, 1);
+    assert.equal(api.requests.at(-1)?.abortedByClient, true);
     assert.equal((seen.error as Error).name, 'AbortError');
     assert.deepEqual(summary, { completed: 1, failed: 0, lost: 0, released: 0, stopReason: 'stopped' });
   });
