@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 
 from coordination.models import Barrier, Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup, Timer
-from coordination.selectors import EffectiveState, event_cursor, mailbox_names
+from coordination.selectors import EffectiveState, Visibility, event_cursor, mailbox_names
 from coordination.services.claims import Claim
 from coordination.services.messages import Delivery
 from coordination.states import TaskState
@@ -35,14 +35,23 @@ def present_run(run: Run, effective: EffectiveState) -> dict:
     }
 
 
-def present_event(event: Event) -> dict:
-    """Return the API shape of an event."""
+# Event data that tells what the whole project holds of a pool: a key bound to a run reads the
+# event under its own run, without the figures of the runs beside it (issue 25).
+PROJECT_WIDE_EVENT_DATA = {"pool.exhausted": frozenset({"inUse", "waiting"})}
+
+
+def present_event(event: Event, visibility: Visibility | None = None) -> dict:
+    """Return the API shape of an event, as ``visibility``'s key may read it."""
+    data = event.data
+    hidden = PROJECT_WIDE_EVENT_DATA.get(event.type)
+    if hidden and visibility is not None and visibility.bound_path is not None:
+        data = {key: value for key, value in data.items() if key not in hidden}
     return {
         "id": event_cursor(event),
         "type": event.type,
         "runId": str(event.run_id) if event.run_id else None,
         "subjectId": event.subject_id,
-        "data": event.data,
+        "data": data,
         "createdAt": iso(event.created_at),
     }
 

@@ -139,3 +139,20 @@ def test_a_bound_keys_pool_refusal_counts_only_its_subtree(project, api, tree):
         api.post("/v1/pools/gpu/leases", {"runId": str(tree["mine"].id)}, format="json"), 409, "POOL_EXHAUSTED"
     )
     assert unbound["details"] == {"capacity": 2, "inUse": 2, "waiting": 0}
+
+
+@pytest.mark.django_db(transaction=True)  # the acquisition and the event reads go through other connections
+def test_a_bound_key_reads_its_pool_refusal_events_without_the_projects_figures(project, api, tree):
+    """``pool.exhausted`` records the whole pool's ``inUse``/``waiting``: not shown to a bound key.
+
+    The event is written once, for every reader; a bound key reads it under its own run with
+    ``capacity`` and ``units`` (what it asked) but without the figures of the sibling runs.
+    """
+    pool_put(project_id=project.id, name="gpu", capacity=1)
+    pool_acquire(project_id=project.id, name="gpu", run_id=tree["theirs"].id, units=1)
+    bound, mine = tree["bound"], str(tree["mine"].id)
+    err(bound.post("/v1/pools/gpu/leases", {"runId": mine}, format="json"), 409, "POOL_EXHAUSTED")
+    (seen,) = bound.get(f"/v1/events?types=pool.exhausted&runId={mine}").json()["events"]
+    assert seen["data"] == {"pool": "gpu", "units": 1, "capacity": 1}
+    (full,) = api.get(f"/v1/events?types=pool.exhausted&runId={mine}").json()["events"]
+    assert full["data"] == {"pool": "gpu", "units": 1, "capacity": 1, "inUse": 1, "waiting": 0}

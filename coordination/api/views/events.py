@@ -40,4 +40,4 @@ class EventListView(AsyncApiView):
         events, next_cursor = await long_poll(
             read, done=lambda page: bool(page[0]), topics=[ANY_TOPIC], timeout_ms=s.clamp_wait_ms(query["waitMs"])
         )
-        return Response({"events": [present_event(e) for e in events], "nextCursor": next_cursor})
+        return Response({"events": [present_event(e, visibility) for e in events], "nextCursor": next_cursor})

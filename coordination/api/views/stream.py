@@ -103,11 +103,17 @@ class EventStreamView(AsyncApiView):
             )
 
         return event_stream_response(
-            feed_frames(project_id=project_id, after=cursor, catch_up=catch_up, matches=matches, present=present)
+            feed_frames(
+                project_id=project_id,
+                after=cursor,
+                catch_up=catch_up,
+                matches=matches,
+                present=lambda event: present(event, visibility),
+            )
         )
 
 
-def present(event):
+def present(event, visibility: selectors.Visibility):
     """Return an event's frame: its cursor as the id, its type as the event name, its API shape as data."""
-    body = present_event(event)
+    body = present_event(event, visibility)
     return body["id"], event.type, body
