@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 
 from coordination.models import Barrier, Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup, Timer
-from coordination.selectors import EffectiveState, Visibility, event_cursor, mailbox_names
+from coordination.selectors import EffectiveState, event_cursor, mailbox_names
 from coordination.services.claims import Claim
 from coordination.services.messages import Delivery
 from coordination.states import TaskState
@@ -40,11 +40,11 @@ def present_run(run: Run, effective: EffectiveState) -> dict:
 PROJECT_WIDE_EVENT_DATA = {"pool.exhausted": frozenset({"inUse", "waiting"})}
 
 
-def present_event(event: Event, visibility: Visibility | None = None) -> dict:
-    """Return the API shape of an event, as ``visibility``'s key may read it."""
+def present_event(event: Event, *, bound: bool = False) -> dict:
+    """Return the API shape of an event; ``bound``: as a key bound to a run may read it."""
     data = event.data
     hidden = PROJECT_WIDE_EVENT_DATA.get(event.type)
-    if hidden and visibility is not None and visibility.bound_path is not None:
+    if hidden and bound:
         data = {key: value for key, value in data.items() if key not in hidden}
     return {
         "id": event_cursor(event),

@@ -108,12 +108,22 @@ class EventStreamView(AsyncApiView):
                 after=cursor,
                 catch_up=catch_up,
                 matches=matches,
-                present=lambda event: present(event, visibility),
+                present=present if bound_path is None else present_bound,
             )
         )
 
 
-def present(event, visibility: selectors.Visibility):
+# Module functions, not made per request: the shared feed renders each event once per presenter
+# for every stream (``sse.feed_frames``).
+
+
+def present(event):
     """Return an event's frame: its cursor as the id, its type as the event name, its API shape as data."""
-    body = present_event(event, visibility)
+    body = present_event(event)
+    return body["id"], event.type, body
+
+
+def present_bound(event):
+    """Return an event's frame as a key bound to a run may read it (``PROJECT_WIDE_EVENT_DATA`` left out)."""
+    body = present_event(event, bound=True)
     return body["id"], event.type, body
