@@ -39,6 +39,19 @@ class Visibility:
         """Tell whether an object under a run with ``path`` is visible."""
         return self.bound_path is None or path.startswith(self.bound_path)
 
+    def require_project_wide(self, message: str | None = None) -> None:
+        """Refuse a key bound to a run what reaches beyond any subtree, with ``PERMISSION_DENIED``.
+
+        The one rule for project-wide configuration (mailboxes, pools, quotas, root runs and
+        groups) and project-wide usage (a quota's level): a bound key sees and changes only
+        its run and the runs below it. Views name such methods in ``project_wide`` (checked
+        by ``HasKeyPermission`` before the body is read) or call this where the body decides.
+        """
+        if self.bound_path is not None:
+            raise exceptions.PermissionDenied(
+                message or "A key bound to a run cannot configure or read what the whole project shares."
+            )
+
 
 def parse_id(value: object, *, what: str = "Object") -> uuid.UUID:
     """Parse an opaque id; a malformed one is simply not found."""

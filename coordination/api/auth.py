@@ -92,10 +92,13 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
 
 
 class HasKeyPermission(permissions.BasePermission):
-    """Require the permission a view names for the request's method.
+    """Require the permission a view names for the request's method, and keep bound keys to their subtree.
 
     A view sets ``required_permissions = {"GET": Permission.COORDINATION_READ, ...}``; a
-    method it does not name needs ``coordination_write``.
+    method it does not name needs ``coordination_write``. A view whose methods reach the
+    whole project (configuring a mailbox, pool or quota; reading a quota's level) names them
+    in ``project_wide = {"PUT", ...}``: a key bound to a run is refused them with
+    ``PERMISSION_DENIED`` (``Visibility.require_project_wide``), whatever the body or name.
     """
 
     message = "The API key lacks the permission for this operation."
@@ -110,6 +113,9 @@ class HasKeyPermission(permissions.BasePermission):
         if not principal.api_key.has_permission(needed):
             self.message = f"The API key lacks the '{needed}' permission."
             return False
+        method = "GET" if request.method in ("HEAD", "OPTIONS") else request.method
+        if method in getattr(view, "project_wide", ()) and principal.api_key.run_id is not None:
+            principal.visibility.require_project_wide()
         return True
 
 

@@ -35,14 +35,23 @@ def present_run(run: Run, effective: EffectiveState) -> dict:
     }
 
 
-def present_event(event: Event) -> dict:
-    """Return the API shape of an event."""
+# Event data that tells what the whole project holds of a pool: a key bound to a run reads the
+# event under its own run, without the figures of the runs beside it (issue 25).
+PROJECT_WIDE_EVENT_DATA = {"pool.exhausted": frozenset({"inUse", "waiting"})}
+
+
+def present_event(event: Event, *, bound: bool = False) -> dict:
+    """Return the API shape of an event; ``bound``: as a key bound to a run may read it."""
+    data = event.data
+    hidden = PROJECT_WIDE_EVENT_DATA.get(event.type)
+    if hidden and bound:
+        data = {key: value for key, value in data.items() if key not in hidden}
     return {
         "id": event_cursor(event),
         "type": event.type,
         "runId": str(event.run_id) if event.run_id else None,
         "subjectId": event.subject_id,
-        "data": event.data,
+        "data": data,
         "createdAt": iso(event.created_at),
     }
 

@@ -609,16 +609,20 @@ def _settle_pool(pool_id: uuid.UUID, now: datetime) -> int:
     return 1
 
 
-def pool_stats(pools: list[Pool], now: datetime | None = None) -> dict[uuid.UUID, tuple[int, int]]:
-    """Return ``{pool id: (in use, waiting)}``, never counting an expired lease or a gone waiter."""
+def pool_stats(
+    pools: list[Pool], now: datetime | None = None, *, under: str | None = None
+) -> dict[uuid.UUID, tuple[int, int]]:
+    """Return ``{pool id: (in use, waiting)}``, never counting an expired lease or a gone waiter.
+
+    With ``under`` (a run path: a bound key's run), only the leases of that run's subtree count.
+    """
     now = now or timezone.now()
-    rows = (
-        PoolLease.objects.filter(pool__in=pools, state__in=POOL_LEASE_OPEN, expires_at__gt=now)
-        .values("pool_id")
-        .annotate(
-            in_use=Sum("units", filter=Q(state=PoolLeaseState.HELD)),
-            waiting=Count("id", filter=Q(state=PoolLeaseState.WAITING)),
-        )
+    leases = PoolLease.objects.filter(pool__in=pools, state__in=POOL_LEASE_OPEN, expires_at__gt=now)
+    if under is not None:
+        leases = leases.filter(run_path__startswith=under)
+    rows = leases.values("pool_id").annotate(
+        in_use=Sum("units", filter=Q(state=PoolLeaseState.HELD)),
+        waiting=Count("id", filter=Q(state=PoolLeaseState.WAITING)),
     )
     stats = {pool.id: (0, 0) for pool in pools}
     for row in rows:

@@ -160,7 +160,10 @@ class AsyncPools:
         self._http = http
 
     async def put(self, name: str, *, capacity: int) -> JsonDict:
-        """Create the pool or set its capacity (needs ``resource_config``): ``{name, capacity, inUse, waiting}``."""
+        """Create the pool or set its capacity (needs ``resource_config``): ``{name, capacity, inUse, waiting}``.
+
+        A key bound to a run is refused (``PERMISSION_DENIED``): pools belong to the project.
+        """
         pool: JsonDict = await self._http.request(
             "PUT", f"/pools/{segment(name)}", idempotent=True, json={"capacity": capacity}
         )
@@ -169,7 +172,10 @@ class AsyncPools:
     ensure = put
 
     async def retrieve(self, name: str) -> JsonDict:
-        """Return the pool and its use: ``{name, capacity, inUse, waiting}``."""
+        """Return the pool and its use: ``{name, capacity, inUse, waiting}``.
+
+        For a key bound to a run, ``inUse`` and ``waiting`` count its subtree's leases only.
+        """
         pool: JsonDict = await self._http.request("GET", f"/pools/{segment(name)}", idempotent=True)
         return pool
 

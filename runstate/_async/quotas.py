@@ -14,14 +14,20 @@ class AsyncQuotas:
         self._http = http
 
     async def put(self, name: str, *, limit: int, period_ms: int) -> JsonDict:
-        """Create the quota full or change it (``limit`` tokens per ``period_ms``; needs ``resource_config``)."""
+        """Create the quota full or change it (``limit`` tokens per ``period_ms``; needs ``resource_config``).
+
+        A key bound to a run is refused (``PERMISSION_DENIED``): quotas belong to the project.
+        """
         quota: JsonDict = await self._http.request(
             "PUT", f"/quotas/{segment(name)}", idempotent=True, json={"limit": limit, "periodMs": period_ms}
         )
         return quota
 
     async def get(self, name: str) -> JsonDict:
-        """Return the quota with ``available``, the whole tokens it holds now."""
+        """Return the quota with ``available``, the whole tokens it holds now.
+
+        A key bound to a run is refused (``PERMISSION_DENIED``): the level is the whole project's use.
+        """
         quota: JsonDict = await self._http.request("GET", f"/quotas/{segment(name)}", idempotent=True)
         return quota
 

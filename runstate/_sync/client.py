@@ -28,7 +28,10 @@ class Mailboxes:
     def ensure(
         self, name: str, *, mode: str, lease_ttl_ms: int | None = None, max_attempts: int | None = None
     ) -> JsonDict:
-        """Ensure the mailbox exists with ``mode`` (``WORK`` or ``QUEUE``); idempotent, needs ``resource_config``."""
+        """Ensure the mailbox exists with ``mode`` (``WORK`` or ``QUEUE``); idempotent, needs ``resource_config``.
+
+        A key bound to a run is refused (``PERMISSION_DENIED``): mailboxes belong to the project.
+        """
         mailbox: JsonDict = self._http.request(
             "PUT",
             f"/mailboxes/{segment(name)}",

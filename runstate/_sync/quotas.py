@@ -15,14 +15,20 @@ class Quotas:
         self._http = http
 
     def put(self, name: str, *, limit: int, period_ms: int) -> JsonDict:
-        """Create the quota full or change it (``limit`` tokens per ``period_ms``; needs ``resource_config``)."""
+        """Create the quota full or change it (``limit`` tokens per ``period_ms``; needs ``resource_config``).
+
+        A key bound to a run is refused (``PERMISSION_DENIED``): quotas belong to the project.
+        """
         quota: JsonDict = self._http.request(
             "PUT", f"/quotas/{segment(name)}", idempotent=True, json={"limit": limit, "periodMs": period_ms}
         )
         return quota
 
     def get(self, name: str) -> JsonDict:
-        """Return the quota with ``available``, the whole tokens it holds now."""
+        """Return the quota with ``available``, the whole tokens it holds now.
+
+        A key bound to a run is refused (``PERMISSION_DENIED``): the level is the whole project's use.
+        """
         quota: JsonDict = self._http.request("GET", f"/quotas/{segment(name)}", idempotent=True)
         return quota
 

@@ -18,6 +18,7 @@ from coordination.selectors import Visibility, event_cursor, event_list
 from coordination.services.groups import group_close, group_create
 from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
+from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.runs import run_cancel, run_create
 from coordination.states import Permission
 from tests.operator.live import Reader, parse_frame, uvicorn_server
@@ -189,6 +190,28 @@ def test_a_key_bound_to_a_run_streams_only_its_subtree(project):
 
     mine, frame = asyncio.run(scenario())
     assert frame["data"]["subjectId"] == str(mine.id)
+
+
+def test_a_bound_keys_stream_omits_the_projects_pool_figures(project):
+    """Issue 25: ``pool.exhausted`` under the bound run, without the sibling runs' ``inUse``/``waiting``."""
+    bound_run = run_create(project_id=project.id, name="mine")
+    sibling = run_create(project_id=project.id, name="not mine")
+    pool_put(project_id=project.id, name="gpu", capacity=1)
+    pool_acquire(project_id=project.id, name="gpu", run_id=sibling.id)
+    assert pool_acquire(project_id=project.id, name="gpu", run_id=bound_run.id).refusal is not None
+    start = event_cursor(Event.objects.get(run_id=bound_run.id, type="run.created"))
+    key = key_of(project, run_id=bound_run.id)
+
+    async def scenario():
+        frames = await open_stream(key, f"{STREAM}?types=pool.exhausted&after={start}")
+        try:
+            return await frames.next()
+        finally:
+            await frames.close()
+
+    frame = asyncio.run(scenario())
+    assert frame["event"] == "pool.exhausted"
+    assert frame["data"]["data"] == {"pool": "gpu", "units": 1, "capacity": 1}
 
 
 def test_the_schema_documents_the_stream_as_text_event_stream(anon):

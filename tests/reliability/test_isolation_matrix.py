@@ -2,11 +2,16 @@
 
 The matrix is checked against /v1/schema, so a new endpoint fails this test until it is
 listed here (in ``CASES`` or, with a reason, in ``NO_FOREIGN_IDS``).
+
+It has a second column, for a key bound to a run (issue 25): every operation of the schema is
+404 on a sibling's objects, 403 ``PERMISSION_DENIED`` when it reaches the whole project
+(``BOUND_PROJECT_WIDE``), or open with a reason (``BOUND_OPEN``); and allowed on the objects
+of the key's own subtree. A new endpoint fails that column too until it is listed.
 """
 
 import pytest
 
-from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
+from coordination.models import Barrier, Mailbox, Message, Pool, Quota, Run, Task, TaskGroup, Timer
 from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.budgets import budget_create, reservation_create
@@ -38,10 +43,19 @@ NO_FOREIGN_IDS = {
 def b(other_project):
     """Project B's objects: a run tree, mailboxes, a task held under a claim, a delivery, a group..."""
     pid = other_project.id
-    run = run_create(project_id=pid)
-    jobs, _ = mailbox_ensure(project_id=pid, name="jobs", mode="WORK")
-    queue, _ = mailbox_ensure(project_id=pid, name="q", mode="QUEUE")
+    mailbox_ensure(project_id=pid, name="jobs", mode="WORK")
+    mailbox_ensure(project_id=pid, name="q", mode="QUEUE")
     mailbox_ensure(project_id=pid, name="b-only", mode="WORK")
+    return objects_under(pid, run_create(project_id=pid))
+
+
+def objects_under(pid, run) -> dict:
+    """A task held under a claim, a delivery, a group with a member... all under ``run``.
+
+    The project's mailboxes ``jobs`` (WORK) and ``q`` (QUEUE) must exist.
+    """
+    jobs = Mailbox.objects.get(project_id=pid, name="jobs")
+    queue = Mailbox.objects.get(project_id=pid, name="q")
     task_submit(project_id=pid, mailbox=jobs, run_id=run.id, input={"b": 1})
     (claim,) = task_claim(project_id=pid, mailbox=jobs, run_id=run.id)
     message_send(project_id=pid, mailbox=queue, run_id=run.id, body={"b": 1})
@@ -66,8 +80,11 @@ def b(other_project):
 
 
 def _pool_lease(project_id, run_id) -> str:
-    """Project B's pool ``b-gpu`` (A has no pool of that name) and a lease held on it; also B's quota ``b-api``."""
-    pool_put(project_id=project_id, name="b-gpu", capacity=1)
+    """The pool ``b-gpu`` (A has no pool of that name) and a lease held on it; also the quota ``b-api``.
+
+    Room for two leases: the bound-key column holds one inside and one outside the subtree.
+    """
+    pool_put(project_id=project_id, name="b-gpu", capacity=2)
     quota_put(project_id=project_id, name="b-api", limit=10, period_ms=1000)
     return str(pool_acquire(project_id=project_id, name="b-gpu", run_id=run_id).lease.id)
 
@@ -221,44 +238,121 @@ def test_lists_never_show_another_projects_objects(api, a, b):
     assert not [e for e in events if e["subjectId"] in foreign or e["runId"] in foreign]
 
 
-def test_a_key_bound_to_a_run_gets_404_outside_its_subtree(project, a, b):
-    """The same matrix inside one project: a key bound to a sibling run sees none of it."""
+# The bound-key column ------------------------------------------------------------------------
+
+# Operations that reach the whole project: a key bound to a run gets 403 PERMISSION_DENIED,
+# whatever the name or body, and nothing changes. (operationId, method, path, body)
+BOUND_PROJECT_WIDE = [
+    ("mailboxes_ensure", "put", "/v1/mailboxes/jobs", {"mode": "WORK", "leaseTtlMs": 1000, "maxAttempts": 1}),
+    ("pools_put", "put", "/v1/pools/b-gpu", {"capacity": 1}),
+    ("quotas_put", "put", "/v1/quotas/b-api", {"limit": 1, "periodMs": 86_400_000}),
+    ("quotas_retrieve", "get", "/v1/quotas/b-api", None),  # a bucket's level is the whole project's use
+    ("runs_create", "post", "/v1/runs", {}),  # a root run (with a parent outside: 404, in ``cases``)
+    ("groups_create", "post", "/v1/groups", {"mailbox": "jobs", "condition": "ALL_TERMINAL"}),  # a root gate
+]
+
+# Of those, the ones whose call in ``cases`` names no run: refused inside the subtree as well.
+PROJECT_WIDE_ONLY = {"quotas_retrieve"}
+
+# Operations open to a bound key that take no object of a run, and why that is safe.
+BOUND_OPEN = {
+    "healthz": "no key, no data",
+    "readyz": "no key, no data",
+    "metrics": "takes no key here: what a key reads there is issue 25's metrics part (finding 4)",
+    "mailboxes_retrieve": "a mailbox's settings (mode, lease TTL, attempts), which a bound worker reads; no usage",
+    "pools_retrieve": "answered with the subtree's share of the pool's use only (asserted below)",
+}
+
+# Operations whose call inside the subtree the column does not make, and why.
+NOT_CALLED_INSIDE = {
+    "events_stream": "an endless stream; a bound key's stream is tested in tests/api/test_events.py",
+}
+
+
+def config_rows(project_id):
+    """The project-wide settings: mailboxes, pools, quotas."""
+    return {
+        "mailboxes": sorted(
+            Mailbox.objects.filter(project_id=project_id).values_list("name", "mode", "lease_ttl_ms", "max_attempts")
+        ),
+        "pools": sorted(Pool.objects.filter(project_id=project_id).values_list("name", "capacity")),
+        "quotas": sorted(Quota.objects.filter(project_id=project_id).values_list("name", "limit", "period_ms")),
+        "runs": Run.objects.filter(project_id=project_id).count(),
+        "groups": TaskGroup.objects.filter(project_id=project_id).count(),
+    }
+
+
+def call(client, method, path, body):
+    return getattr(client, method)(path, body, format="json") if body is not None else client.get(path)
+
+
+@pytest.mark.django_db(transaction=True)  # the long-polls inside the subtree read through other connections
+def test_a_key_bound_to_a_run_keeps_to_its_subtree(api, project):
+    """The same matrix inside one project, with a key bound to run ``mine``.
+
+    A sibling's objects are 404, project-wide operations 403 with nothing changed, and the
+    same calls on the objects of ``mine``'s subtree are allowed (answered by the service:
+    never 403 or 404, a conflict of state at most).
+    """
     pid = project.id
     parent = run_create(project_id=pid)
     mine = run_create(project_id=pid, parent_id=parent.id)
+    below = run_create(project_id=pid, parent_id=mine.id)
     theirs = run_create(project_id=pid, parent_id=parent.id)
-    jobs = mailbox_ensure(project_id=pid, name="jobs", mode="WORK")[0]
-    queue = mailbox_ensure(project_id=pid, name="q", mode="QUEUE")[0]
-    task_submit(project_id=pid, mailbox=jobs, run_id=theirs.id, input={})
-    (claim,) = task_claim(project_id=pid, mailbox=jobs, run_id=theirs.id)
-    message_send(project_id=pid, mailbox=queue, run_id=theirs.id, body={})
-    (delivery,) = message_receive(project_id=pid, mailbox=queue, run_id=theirs.id)
-    group = group_create(project_id=pid, mailbox_name="jobs", condition="ALL_TERMINAL", parent_scope_id=theirs.id)
-    member, _, _ = group_submit(project_id=pid, group_id=group.id, input={})
+    mailbox_ensure(project_id=pid, name="jobs", mode="WORK")
+    mailbox_ensure(project_id=pid, name="q", mode="QUEUE")
+    mailbox_ensure(project_id=pid, name="b-only", mode="WORK")
+    outside = objects_under(pid, theirs)
+    inside = objects_under(pid, below)
     own_group = group_create(project_id=pid, mailbox_name="jobs", condition="ALL_TERMINAL", parent_scope_id=mine.id)
-    outside = {
-        "run": str(theirs.id),
-        "task": str(claim.task.id),
-        "claim": claim.claim_id,
-        "message": str(delivery.message.id),
-        "delivery": delivery.delivery_id,
-        "group": str(group.id),
-        "member": str(member.id),
-        "barrier": str(barrier_create(project_id=pid, run_id=theirs.id, target=2).id),
-        "timer": str(timer_create(project_id=pid, run_id=theirs.id, after_seconds=600).id),
-        "admission": str(admission_request(project_id=pid, run_id=theirs.id).admission.id),
-        "lease": _pool_lease(pid, theirs.id),
-        "budget": str(budget_create(project_id=pid, run_id=theirs.id, name="usd", limit=100).id),
-        "reservation": str(reservation_create(project_id=pid, run_id=theirs.id, budget="usd", amount=1).reservation.id),
-    }
     bound = make_client(project, run_id=mine.id)
-    # Mailboxes, pools and quotas belong to the project, not to a run: a bound key reads them,
-    # and uses them only for runs of its subtree (pools_acquire, quotas_take are in the matrix).
-    skip = {"mailboxes_retrieve", "pools_retrieve", "quotas_retrieve"}
-    for operation, method, path, body in cases({"group": str(own_group.id)}, outside):
-        if operation in skip:
-            continue
-        response = getattr(bound, method)(path, body, format="json") if body is not None else bound.get(path)
+
+    outside_cases = [
+        case
+        for case in cases({"group": str(own_group.id)}, outside)
+        if case[0] not in BOUND_OPEN and case[0] not in PROJECT_WIDE_ONLY
+    ]
+    covered = (
+        {operation for operation, *_ in outside_cases}
+        | {operation for operation, *_ in per_item_cases(outside)}
+        | {operation for operation, *_ in BOUND_PROJECT_WIDE}
+        | set(BOUND_OPEN)
+    )
+    assert covered == schema_operations(api), "the bound-key column of the isolation matrix is out of date"
+
+    before, settings_before = snapshot(pid), config_rows(pid)
+    for operation, method, path, body in outside_cases:
+        response = call(bound, method, path, body)
         assert response.status_code == 404, (operation, response.status_code, response.content[:300])
+        assert response.json()["error"]["code"] == "NOT_FOUND", operation
     assert_per_item_not_found(bound, outside)
-    assert Task.objects.get(id=claim.task.id).state == "RUNNING", "a claim outside the bound key's subtree changed"
+    for operation, method, path, body in BOUND_PROJECT_WIDE:
+        response = call(bound, method, path, body)
+        assert response.status_code == 403, (operation, response.status_code, response.content[:300])
+        assert response.json()["error"]["code"] == "PERMISSION_DENIED", operation
+    assert snapshot(pid) == before, "a refused call changed an object"
+    assert config_rows(pid) == settings_before, "a refused call changed a project-wide setting"
+    assert Task.objects.get(id=outside["task"]).state == "RUNNING", "a claim outside the bound key's subtree changed"
+
+    # The open reads: a mailbox's settings; a pool's use counted in the subtree only.
+    assert bound.get("/v1/mailboxes/b-only").status_code == 200
+    assert api.get("/v1/pools/b-gpu").json()["inUse"] == 2
+    assert bound.get("/v1/pools/b-gpu").json()["inUse"] == 1
+
+    # Inside the subtree every call reaches the service; the run's own cancel and complete last.
+    inside_cases = [
+        case
+        for case in cases({"group": str(own_group.id)}, inside)
+        if case[0] not in NOT_CALLED_INSIDE and case[0] not in PROJECT_WIDE_ONLY
+    ]
+    inside_cases.sort(key=lambda case: case[0] in {"runs_cancel", "runs_complete"})
+    for operation, method, path, body in inside_cases:
+        response = call(bound, method, path, body)
+        assert response.status_code not in (401, 403, 404) and response.status_code < 500, (
+            operation,
+            response.status_code,
+            response.content[:300],
+        )
+    for operation, path, body in per_item_cases(inside):
+        (result,) = bound.post(path, body, format="json").json()["results"]
+        assert result.get("error", {}).get("code") != "NOT_FOUND", (operation, result)

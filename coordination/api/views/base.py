@@ -29,6 +29,8 @@ class ApiView(APIView):
     """An authenticated, project-scoped API view."""
 
     required_permissions: dict = {}
+    # Methods that reach the whole project, refused to a key bound to a run (HasKeyPermission).
+    project_wide: frozenset[str] = frozenset()
 
     @property
     def visibility(self) -> Visibility:

@@ -40,4 +40,5 @@ class EventListView(AsyncApiView):
         events, next_cursor = await long_poll(
             read, done=lambda page: bool(page[0]), topics=[ANY_TOPIC], timeout_ms=s.clamp_wait_ms(query["waitMs"])
         )
-        return Response({"events": [present_event(e) for e in events], "nextCursor": next_cursor})
+        bound = visibility.bound_path is not None
+        return Response({"events": [present_event(e, bound=bound) for e in events], "nextCursor": next_cursor})

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors
+from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import long_poll
 from coordination.api.presenters import present_decision, present_group, present_task
@@ -31,8 +31,8 @@ class GroupCollectionView(ApiView):
         parent_id = None
         if data.get("parentScopeId") is not None:
             parent_id = selectors.run_get(self.visibility, data["parentScopeId"]).id
-        elif self.visibility.bound_path is not None:
-            raise exceptions.PermissionDenied("A key bound to a run creates groups only below that run.")
+        else:
+            self.visibility.require_project_wide("A key bound to a run creates groups only below that run.")
         group = group_services.group_create(
             project_id=self.project_id,
             mailbox_name=data["mailbox"],

@@ -68,10 +68,24 @@ class PoolLeaseOut(serializers.Serializer):
     grantedAt = serializers.DateTimeField(allow_null=True)
 
 
-def present_pool(pool: Pool) -> dict:
-    """Return the API shape of a pool, its use counted from the open leases."""
-    in_use, waiting = pool_services.pool_stats([pool])[pool.id]
+def present_pool(pool: Pool, visibility: selectors.Visibility) -> dict:
+    """Return the API shape of a pool, its use counted from the open leases the caller sees.
+
+    A key bound to a run sees only its subtree's leases: ``inUse`` and ``waiting`` are then
+    that subtree's share, not the whole project's (so ``capacity - inUse`` is not the room).
+    """
+    in_use, waiting = pool_services.pool_stats([pool], under=visibility.bound_path)[pool.id]
     return {"name": pool.name, "capacity": pool.capacity, "inUse": in_use, "waiting": waiting}
+
+
+def pool_refusal_seen(
+    visibility: selectors.Visibility, project_id, name: str, refusal: exceptions.CoordinationError
+) -> exceptions.CoordinationError:
+    """Return ``refusal`` as the caller may see it: a bound key's ``POOL_EXHAUSTED`` counts its subtree only."""
+    if not isinstance(refusal, exceptions.PoolExhausted) or visibility.bound_path is None:
+        return refusal
+    seen = present_pool(pool_services.pool_get(project_id=project_id, name=name), visibility)
+    return exceptions.PoolExhausted(capacity=seen["capacity"], inUse=seen["inUse"], waiting=seen["waiting"])
 
 
 def present_pool_lease(lease: PoolLease, pool_name: str) -> dict:
@@ -104,19 +118,21 @@ class PoolView(ApiView):
     """Configure or read a pool."""
 
     required_permissions = {"GET": Permission.COORDINATION_READ, "PUT": Permission.RESOURCE_CONFIG}
+    project_wide = frozenset({"PUT"})  # a bound key's GET counts only its subtree's leases
 
     @extend_schema(operation_id="pools_put", request=PoolPutIn, responses=with_errors({200: PoolOut, 201: PoolOut}))
     def put(self, request, name):
-        """Create the pool (201) or change its capacity (200); a shrink revokes nothing."""
+        """Create the pool (201) or change its capacity (200); a shrink revokes nothing; refused to a bound key."""
         data = self.body(PoolPutIn)
         pool, created = pool_services.pool_put(project_id=self.project_id, name=name, capacity=data["capacity"])
         headers = {"Location": f"/v1/pools/{pool.name}"} if created else {}
-        return Response(present_pool(pool), status=201 if created else 200, headers=headers)
+        return Response(present_pool(pool, self.visibility), status=201 if created else 200, headers=headers)
 
     @extend_schema(operation_id="pools_retrieve", responses=with_errors({200: PoolOut}))
     def get(self, request, name):
-        """Return the pool and its use."""
-        return Response(present_pool(pool_services.pool_get(project_id=self.project_id, name=name)))
+        """Return the pool and its use (a key bound to a run: its subtree's use only)."""
+        pool = pool_services.pool_get(project_id=self.project_id, name=name)
+        return Response(present_pool(pool, self.visibility))
 
 
 class PoolLeaseCollectionView(AsyncApiView):
@@ -156,7 +172,7 @@ class PoolLeaseCollectionView(AsyncApiView):
 
         run, acquired = await in_request(acquire)
         if acquired.refusal is not None:
-            raise acquired.refusal
+            raise await db(pool_refusal_seen, visibility, project_id, name, acquired.refusal)
         lease = acquired.lease
         if lease.state == PoolLeaseState.WAITING:
             # Woken by the grant's pool.acquired (subject: this lease) or by a run.* event of
@@ -169,7 +185,7 @@ class PoolLeaseCollectionView(AsyncApiView):
             )
             acquired = await db(pool_services.pool_wait_end, lease_id=lease.id)
             if acquired.refusal is not None:
-                raise acquired.refusal
+                raise await db(pool_refusal_seen, visibility, project_id, name, acquired.refusal)
             lease = acquired.lease
         status = 201 if acquired.created else 200
         return Response(

@@ -22,12 +22,18 @@ class QuotaView(ApiView):
     """Configure or read a quota."""
 
     required_permissions = {"GET": Permission.COORDINATION_READ, "PUT": Permission.RESOURCE_CONFIG}
+    # A bucket's level is everybody's use at once, with no subtree share to show: a bound key
+    # is refused the read as well as the configuration (it still takes, for its own runs).
+    project_wide = frozenset({"GET", "PUT"})
 
     @extend_schema(
         operation_id="quotas_put", request=ls.QuotaPutIn, responses=with_errors({200: ls.QuotaOut, 201: ls.QuotaOut})
     )
     def put(self, request, name):
-        """Create the quota full (201) or change its limit and period (200), keeping its level."""
+        """Create the quota full (201) or change its limit and period (200), keeping its level.
+
+        Refused to a key bound to a run (``PERMISSION_DENIED``).
+        """
         data = self.body(ls.QuotaPutIn)
         quota, created = quota_services.quota_put(
             project_id=self.project_id, name=name, limit=data["limit"], period_ms=data["periodMs"]
@@ -37,7 +43,7 @@ class QuotaView(ApiView):
 
     @extend_schema(operation_id="quotas_retrieve", responses=with_errors({200: ls.QuotaOut}))
     def get(self, request, name):
-        """Return the quota with the tokens it holds now."""
+        """Return the quota with the tokens it holds now; refused to a key bound to a run (``PERMISSION_DENIED``)."""
         return Response(ls.present_quota(quota_services.quota_get(project_id=self.project_id, name=name)))
 
 

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors
+from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.presenters import present_run
 from coordination.api.views.base import ApiView, with_errors
@@ -51,8 +51,8 @@ class RunCollectionView(ApiView):
         parent_id = None
         if data.get("parentId") is not None:
             parent_id = selectors.run_get(self.visibility, data["parentId"]).id
-        elif self.visibility.bound_path is not None:
-            raise exceptions.PermissionDenied("A key bound to a run creates runs only below that run.")
+        else:
+            self.visibility.require_project_wide("A key bound to a run creates runs only below that run.")
         run = run_services.run_create(
             project_id=self.project_id,
             parent_id=parent_id,

@@ -103,11 +103,27 @@ class EventStreamView(AsyncApiView):
             )
 
         return event_stream_response(
-            feed_frames(project_id=project_id, after=cursor, catch_up=catch_up, matches=matches, present=present)
+            feed_frames(
+                project_id=project_id,
+                after=cursor,
+                catch_up=catch_up,
+                matches=matches,
+                present=present if bound_path is None else present_bound,
+            )
         )
+
+
+# Module functions, not made per request: the shared feed renders each event once per presenter
+# for every stream (``sse.feed_frames``).
 
 
 def present(event):
     """Return an event's frame: its cursor as the id, its type as the event name, its API shape as data."""
     body = present_event(event)
+    return body["id"], event.type, body
+
+
+def present_bound(event):
+    """Return an event's frame as a key bound to a run may read it (``PROJECT_WIDE_EVENT_DATA`` left out)."""
+    body = present_event(event, bound=True)
     return body["id"], event.type, body

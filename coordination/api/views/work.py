@@ -19,6 +19,9 @@ class MailboxView(ApiView):
     """Ensure or read a mailbox."""
 
     required_permissions = {"GET": Permission.COORDINATION_READ, "PUT": Permission.RESOURCE_CONFIG}
+    # A mailbox's settings hit every run that uses it; reading them stays open to a bound
+    # worker, which needs the lease TTL (they are configuration, not anybody's usage).
+    project_wide = frozenset({"PUT"})
 
     @extend_schema(
         operation_id="mailboxes_ensure",
@@ -26,7 +29,10 @@ class MailboxView(ApiView):
         responses=with_errors({200: s.MailboxOut, 201: s.MailboxOut}),
     )
     def put(self, request, name):
-        """Ensure the mailbox exists with this mode: 201 when created, 200 when found."""
+        """Ensure the mailbox exists with this mode: 201 when created, 200 when found.
+
+        Refused to a key bound to a run (``PERMISSION_DENIED``).
+        """
         data = self.body(s.MailboxEnsureIn)
         mailbox, created = mailbox_ensure(
             project_id=self.project_id,

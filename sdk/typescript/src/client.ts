@@ -15,7 +15,7 @@ import { Messages, Tasks } from './work.js';
 export class Mailboxes {
   constructor(private readonly http: Http) {}
 
-  /** Ensure the mailbox exists with `mode` (`WORK` or `QUEUE`); idempotent, needs `resource_config`. */
+  /** Ensure the mailbox exists with `mode` (`WORK` or `QUEUE`); idempotent, needs `resource_config`; refused to a key bound to a run. */
   ensure(name: string, options: { mode: MailboxMode; leaseTtlMs?: number; maxAttempts?: number }): Promise<Mailbox> {
     return this.http.request('PUT', `/mailboxes/${segment(name)}`, {
       idempotent: true,

@@ -151,7 +151,7 @@ export class PoolLease {
 export class Pools {
   constructor(private readonly http: Http) {}
 
-  /** Create the pool or set its capacity (needs `resource_config`). */
+  /** Create the pool or set its capacity (needs `resource_config`; refused to a key bound to a run). */
   put(name: string, options: { capacity: number }): Promise<PoolData> {
     return this.http.request('PUT', `/pools/${segment(name)}`, { idempotent: true, body: { capacity: options.capacity } });
   }
@@ -161,7 +161,7 @@ export class Pools {
     return this.put(name, options);
   }
 
-  /** Return the pool and its use. */
+  /** Return the pool and its use (for a key bound to a run, `inUse` and `waiting` of its subtree only). */
   retrieve(name: string): Promise<PoolData> {
     return this.http.request('GET', `/pools/${segment(name)}`, { idempotent: true });
   }

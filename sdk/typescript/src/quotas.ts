@@ -29,7 +29,7 @@ export interface QuotaTakeOptions {
 export class Quotas {
   constructor(private readonly http: Http) {}
 
-  /** Create the quota full or change it (`limit` tokens per `periodMs`; needs `resource_config`). */
+  /** Create the quota full or change it (`limit` tokens per `periodMs`; needs `resource_config`; refused to a key bound to a run). */
   put(name: string, options: { limit: number; periodMs: number }): Promise<QuotaData> {
     return this.http.request<QuotaData>('PUT', `/quotas/${segment(name)}`, {
       idempotent: true,
@@ -37,7 +37,7 @@ export class Quotas {
     });
   }
 
-  /** Return the quota with the tokens it holds now. */
+  /** Return the quota with the tokens it holds now (refused to a key bound to a run: the level is the whole project's use). */
   get(name: string): Promise<QuotaData> {
     return this.http.request<QuotaData>('GET', `/quotas/${segment(name)}`, { idempotent: true });
   }
