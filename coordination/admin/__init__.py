@@ -5,6 +5,7 @@ state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
 """
 
 from .admissions import AdmissionAdmin, AdmissionConfigAdmin
+from .beat import GuardedPeriodicTaskAdmin
 from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
@@ -24,6 +25,7 @@ __all__ = [
     "ApiKeyAdmin",
     "BarrierAdmin",
     "EventAdmin",
+    "GuardedPeriodicTaskAdmin",
     "MailboxAdmin",
     "MessageAdmin",
     "PoolAdmin",

@@ -155,7 +155,7 @@ class BudgetReservationAdmin(admin.ModelAdmin):
     def run_link(self, reservation: BudgetReservation) -> str:
         return change_link(reservation.run)
 
-    @admin.action(description="Release the selected reservations (hand their amounts back)")
+    @admin.action(description="Release the selected reservations (hand their amounts back)", permissions=["change"])
     def release_selected(self, request, queryset):
         released = 0
         for reservation in queryset.filter(state=ReservationState.RESERVED).select_related(None):

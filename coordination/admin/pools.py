@@ -124,7 +124,9 @@ class PoolLeaseAdmin(admin.ModelAdmin):
         return False  # acquired through the API
 
     def has_change_permission(self, request, obj=None):  # noqa: D102
-        return False
+        # The release action needs the change permission; a lease's own page has nothing to
+        # edit, so it is shown as a view (and a post to it is refused).
+        return obj is None and super().has_change_permission(request)
 
     def has_delete_permission(self, request, obj=None):  # noqa: D102
         return False  # ended leases stay readable
@@ -133,7 +135,7 @@ class PoolLeaseAdmin(admin.ModelAdmin):
     def run_link(self, lease: PoolLease) -> str:
         return change_link(lease.run)
 
-    @admin.action(description="Release the selected leases (a waiter leaves the queue)")
+    @admin.action(description="Release the selected leases (a waiter leaves the queue)", permissions=["change"])
     def release(self, request, queryset):
         released = 0
         for lease in queryset.order_by("id"):
