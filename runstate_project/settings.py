@@ -237,6 +237,10 @@ RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAY
 # API in bench/throughput.py's batched scenario (about 5,000 items/s), so a busy worker is
 # never throttled by it (docs/operations.md).
 RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "600000/min")
+# Failed admin logins allowed per username and per client address in a window, the same
+# "<count>/<period>" form ("off" turns it off); counted like the rate limit above
+# (coordination/admin/login.py).
+RUNSTATE_ADMIN_LOGIN_LIMIT = os.environ.get("RUNSTATE_ADMIN_LOGIN_LIMIT", "5/15min")
 # Seconds an API process keeps an API key or mailbox it read (0: off). A change to either row
 # reaches every process through NOTIFY at once (coordination/process_cache.py); this bounds
 # how long an entry lives regardless.

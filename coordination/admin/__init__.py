@@ -4,6 +4,8 @@ Every change made here goes through ``coordination.services``; the admin never w
 state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
 """
 
+from django.contrib import admin
+
 from .admissions import AdmissionAdmin, AdmissionConfigAdmin
 from .beat import GuardedPeriodicTaskAdmin
 from .clock import BarrierAdmin, TimerAdmin
@@ -11,6 +13,7 @@ from .events import EventAdmin
 from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
 from .limits import BudgetAdmin, BudgetReservationAdmin, QuotaAdmin
+from .login import ThrottledAdminAuthenticationForm
 from .pools import PoolAdmin, PoolLeaseAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
@@ -36,3 +39,6 @@ __all__ = [
     "TaskGroupAdmin",
     "TimerAdmin",
 ]
+
+# Failed logins are counted per username and per address, and refused past the limit.
+admin.site.login_form = ThrottledAdminAuthenticationForm
