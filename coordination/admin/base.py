@@ -8,6 +8,8 @@ from django.db.models import Model
 from django.urls import reverse
 from django.utils.html import format_html
 
+from coordination.project_scope import of_projects, project_scope, visible_projects
+
 
 def change_url(obj: Model) -> str:
     """Return the admin change page of ``obj``."""
@@ -24,6 +26,42 @@ def changelist_url(model: type[Model]) -> str:
 def change_link(obj: Model, label: object = None) -> str:
     """Return an HTML link to the change page of ``obj``."""
     return format_html('<a href="{}">{}</a>', change_url(obj), obj if label is None else label)
+
+
+class VisibleProjectFilter(admin.RelatedFieldListFilter):
+    """The project filter, offering only the projects the user may see."""
+
+    def field_choices(self, field, request, model_admin):  # noqa: D102
+        ordering = self.field_admin_ordering(field, request, model_admin)
+        ids = project_scope(request.user)
+        limit = None if ids is None else {"id__in": ids}
+        return field.get_choices(include_blank=False, ordering=ordering, limit_choices_to=limit)
+
+
+class ProjectScopedAdmin(admin.ModelAdmin):
+    """Show a staff user only the rows of the projects they may see (``coordination.project_scope``).
+
+    The lists, the change pages (a row of another project is answered as one that does not
+    exist), the actions (they act on the listed rows), the project filter and the project
+    choices of add forms.
+    """
+
+    # The field that names the row's project (the project's own id on the project admin).
+    project_field = "project_id"
+
+    def get_queryset(self, request):  # noqa: D102
+        return of_projects(super().get_queryset(request), project_scope(request.user), self.project_field)
+
+    def get_list_filter(self, request):  # noqa: D102
+        return tuple(
+            ("project", VisibleProjectFilter) if name == "project" else name
+            for name in super().get_list_filter(request)
+        )
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):  # noqa: D102
+        if db_field.name == "project":
+            kwargs["queryset"] = visible_projects(request.user)
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
 
 class ServiceBackedAdmin(admin.ModelAdmin):

@@ -15,7 +15,7 @@ from coordination.models import ApiKey
 from coordination.services.keys import api_key_create, api_key_revoke
 from coordination.states import Permission
 
-from .base import ServiceBackedAdmin, count_of
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, count_of
 
 
 class ApiKeyCreateForm(forms.ModelForm):
@@ -51,7 +51,7 @@ class ApiKeyCreateForm(forms.ModelForm):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(ServiceBackedAdmin):
+class ApiKeyAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     list_display = (
         "name",
         "project",

@@ -13,7 +13,7 @@ from coordination.models import Pool, PoolLease
 from coordination.services.mailboxes import NAME_PATTERN
 from coordination.services.pools import MAX_CAPACITY, pool_lease_release, pool_put, pool_stats
 
-from .base import ServiceBackedAdmin, change_link
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link
 
 
 class PoolForm(forms.ModelForm):
@@ -39,7 +39,7 @@ class PoolForm(forms.ModelForm):
 
 
 @admin.register(Pool)
-class PoolAdmin(ServiceBackedAdmin):
+class PoolAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     """Pools: capacity, units in use and waiters; the capacity is changed through the service."""
 
     form = PoolForm
@@ -94,7 +94,7 @@ class PoolAdmin(ServiceBackedAdmin):
 
 
 @admin.register(PoolLease)
-class PoolLeaseAdmin(admin.ModelAdmin):
+class PoolLeaseAdmin(ProjectScopedAdmin):
     """Pool leases and waiters: read-only, with a release action (the service's, idempotent)."""
 
     list_display = ("id", "pool", "run_link", "units", "state", "key", "arrival", "expires_at", "granted_at")

@@ -29,7 +29,7 @@ from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_
 from coordination.services.tasks import task_cancel
 from coordination.states import TASK_HELD, MailboxMode, MessageState, TaskState
 
-from .base import ServiceBackedAdmin, change_link, changelist_url, count_of, parse_uuid
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, changelist_url, count_of, parse_uuid
 from .reruns import rerun_selected
 
 # The states a mailbox's depth counts, per mode: what waits (first), what is held, what needs a look.
@@ -140,7 +140,7 @@ def _checked(validate, value: int | None) -> int | None:
 
 
 @admin.register(Mailbox)
-class MailboxAdmin(ServiceBackedAdmin):
+class MailboxAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     form = MailboxSettingsForm
     list_display = ("name", "project", "mode", "lease_ttl", "attempts_setting", "depth", "oldest_queued")
     list_filter = ("mode", "project")
@@ -244,7 +244,7 @@ class TaskCancelForm(forms.Form):
 
 
 @admin.register(Task)
-class TaskAdmin(ServiceBackedAdmin):
+class TaskAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     list_display = (
         "id",
         "mailbox",
@@ -425,7 +425,7 @@ def _search_id_or_key(queryset, search_term: str):
 
 
 @admin.register(Message)
-class MessageAdmin(admin.ModelAdmin):
+class MessageAdmin(ProjectScopedAdmin):
     """Deliveries of QUEUE mailboxes: read-only here."""
 
     list_display = (
