@@ -172,6 +172,10 @@ def test_the_admin_lists_and_opens_only_the_users_projects_rows(client, acme_ope
     runs = client.get(reverse("admin:coordination_run_changelist"))
     assert {run.name for run in runs.context["cl"].result_list} == {"acme-run"}
     assert "globex" not in runs.content.decode()  # the project filter offers only acme
+    # Nor do the filters on a related row name another project's mailboxes.
+    tasks = client.get(reverse("admin:coordination_task_changelist"))
+    assert tasks.status_code == 200
+    assert "acme-jobs" in tasks.content.decode() and "globex" not in tasks.content.decode()
     projects = client.get(reverse("admin:coordination_project_changelist"))
     assert [p.name for p in projects.context["cl"].result_list] == ["acme"]
 
