@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from coordination.models import Task
+from coordination.project_scope import ProjectScope, of_projects
 from coordination.states import TaskState
 
 MAINTENANCE = "maintenance"
@@ -61,11 +62,9 @@ def likely_cause(task: Task, now: datetime) -> str:
     return LEASE_REFRESH
 
 
-def _requested(project_id: uuid.UUID | None):
+def _requested(projects: ProjectScope):
     rows = Task.objects.filter(state=TaskState.CANCELLATION_REQUESTED, cancel_requested_at__isnull=False)
-    if project_id is not None:
-        rows = rows.filter(project_id=project_id)
-    return rows
+    return of_projects(rows, projects)
 
 
 def is_stuck(task: Task, now: datetime) -> bool:
@@ -73,13 +72,13 @@ def is_stuck(task: Task, now: datetime) -> bool:
     return task.cancel_requested_at + claim_lease_ttl(task) <= now
 
 
-def stuck_cancellations(now: datetime, project_id: uuid.UUID | None = None, limit: int = 50) -> list[StuckCancellation]:
+def stuck_cancellations(now: datetime, projects: ProjectScope = None, limit: int = 50) -> list[StuckCancellation]:
     """Return the stuck cancellations, the oldest request first (at most ``limit``).
 
     Only tasks asked to stop and still held are read: there are at most as many as leases.
     """
     found = []
-    rows = _requested(project_id).select_related("mailbox", "project").order_by("cancel_requested_at", "id")
+    rows = _requested(projects).select_related("mailbox", "project").order_by("cancel_requested_at", "id")
     for task in rows.iterator(chunk_size=500):
         if is_stuck(task, now):
             found.append(StuckCancellation(task, claim_lease_ttl(task), likely_cause(task, now)))

@@ -240,6 +240,10 @@ RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "600000/min")
 # A bearer token for Prometheus: /v1/metrics answers it every project's series (a project's key
 # gets its own project's). Empty: no token, only keys read metrics (docs/operations.md).
 RUNSTATE_METRICS_TOKEN = os.environ.get("RUNSTATE_METRICS_TOKEN", "")
+# Failed admin logins allowed per username and per client address in a window, the same
+# "<count>/<period>" form ("off" turns it off); counted like the rate limit above
+# (coordination/admin/login.py).
+RUNSTATE_ADMIN_LOGIN_LIMIT = os.environ.get("RUNSTATE_ADMIN_LOGIN_LIMIT", "5/15min")
 # Seconds an API process keeps an API key or mailbox it read (0: off). A change to either row
 # reaches every process through NOTIFY at once (coordination/process_cache.py); this bounds
 # how long an entry lives regardless.

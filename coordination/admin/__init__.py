@@ -7,11 +7,13 @@ state field (``Run.stored_state``, ``ApiKey.revoked_at``…) itself.
 from django.contrib import admin
 
 from .admissions import AdmissionAdmin, AdmissionConfigAdmin
+from .beat import GuardedPeriodicTaskAdmin
 from .clock import BarrierAdmin, TimerAdmin
 from .events import EventAdmin
 from .groups import TaskGroupAdmin
 from .keys import ApiKeyAdmin
 from .limits import BudgetAdmin, BudgetReservationAdmin, QuotaAdmin
+from .login import ThrottledAdminAuthenticationForm
 from .pools import PoolAdmin, PoolLeaseAdmin
 from .projects import ProjectAdmin
 from .runs import RunAdmin
@@ -31,6 +33,7 @@ __all__ = [
     "ApiKeyAdmin",
     "BarrierAdmin",
     "EventAdmin",
+    "GuardedPeriodicTaskAdmin",
     "MailboxAdmin",
     "MessageAdmin",
     "PoolAdmin",
@@ -41,3 +44,6 @@ __all__ = [
     "TaskGroupAdmin",
     "TimerAdmin",
 ]
+
+# Failed logins are counted per username and per address, and refused past the limit.
+admin.site.login_form = ThrottledAdminAuthenticationForm

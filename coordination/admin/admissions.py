@@ -19,7 +19,7 @@ from coordination.models import Admission, AdmissionConfig
 from coordination.services.admissions import MAX_ACTIVE, admission_configure, admission_withdraw
 from coordination.states import AdmissionState
 
-from .base import change_link, count_of, parse_uuid
+from .base import ProjectScopedAdmin, change_link, count_of, parse_uuid
 
 # A config's change page lists this many of its line (admitted still active, then waiting).
 LINE_SHOWN = 200
@@ -51,7 +51,7 @@ class MaxActiveForm(forms.Form):
 
 
 @admin.register(AdmissionConfig)
-class AdmissionConfigAdmin(admin.ModelAdmin):
+class AdmissionConfigAdmin(ProjectScopedAdmin):
     """Each run's admission limit and use; the limit changes through an action."""
 
     list_display = ("run_link", "max_active_display", "admitted", "waiting", "updated_at")
@@ -161,7 +161,7 @@ class AdmissionConfigAdmin(admin.ModelAdmin):
 
 
 @admin.register(Admission)
-class AdmissionAdmin(admin.ModelAdmin):
+class AdmissionAdmin(ProjectScopedAdmin):
     """Admissions: read-only (requests come through the API); waiters can be withdrawn."""
 
     list_display = ("id", "parent_link", "state", "ticket", "key", "name", "run_link", "created_at", "admitted_at")

@@ -8,6 +8,9 @@ from django.db.models import Model
 from django.urls import reverse
 from django.utils.html import format_html
 
+from coordination.models import Project
+from coordination.project_scope import of_projects, project_scope, visible_projects
+
 
 def change_url(obj: Model) -> str:
     """Return the admin change page of ``obj``."""
@@ -24,6 +27,59 @@ def changelist_url(model: type[Model]) -> str:
 def change_link(obj: Model, label: object = None) -> str:
     """Return an HTML link to the change page of ``obj``."""
     return format_html('<a href="{}">{}</a>', change_url(obj), obj if label is None else label)
+
+
+class VisibleRelatedFilter(admin.RelatedFieldListFilter):
+    """A filter on a project, or on a project's row, offering only those the user may see."""
+
+    def limit_choices(self, field, request) -> dict:
+        """Return the filter that keeps the choices to the user's projects (none: every project)."""
+        ids = project_scope(request.user)
+        if ids is None:
+            return {}
+        return {"id__in": ids} if field.related_model is Project else {"project_id__in": ids}
+
+    def field_choices(self, field, request, model_admin):  # noqa: D102
+        ordering = self.field_admin_ordering(field, request, model_admin)
+        limit = self.limit_choices(field, request)
+        return field.get_choices(include_blank=False, ordering=ordering, limit_choices_to=limit or None)
+
+
+class ProjectScopedAdmin(admin.ModelAdmin):
+    """Show a staff user only the rows of the projects they may see (``coordination.project_scope``).
+
+    The lists, the change pages (a row of another project is answered as one that does not
+    exist), the actions (they act on the listed rows), the project filter and the project
+    choices of add forms.
+    """
+
+    # The field that names the row's project (the project's own id on the project admin).
+    project_field = "project_id"
+
+    def get_queryset(self, request):  # noqa: D102
+        return of_projects(super().get_queryset(request), project_scope(request.user), self.project_field)
+
+    def get_list_filter(self, request):  # noqa: D102
+        # A filter on a project or a project's row (a mailbox, a pool) lists its choices:
+        # only the user's projects' ones.
+        return tuple(
+            (name, VisibleRelatedFilter) if self._filters_on_project_owned(name) else name
+            for name in super().get_list_filter(request)
+        )
+
+    def _filters_on_project_owned(self, name: object) -> bool:
+        if not isinstance(name, str) or "__" in name:
+            return False
+        field = next((f for f in self.model._meta.get_fields() if f.name == name), None)
+        related = getattr(field, "related_model", None) if field is not None and field.many_to_one else None
+        return related is not None and (
+            related is Project or any(f.name == "project" for f in related._meta.get_fields())
+        )
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):  # noqa: D102
+        if db_field.name == "project":
+            kwargs["queryset"] = visible_projects(request.user)
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
 
 class ServiceBackedAdmin(admin.ModelAdmin):

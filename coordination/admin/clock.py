@@ -19,7 +19,7 @@ from coordination.models import Barrier, BarrierArrival, Timer
 from coordination.services.timers import timer_cancel, timer_fire
 from coordination.states import TimerState
 
-from .base import ServiceBackedAdmin, change_link, count_of, parse_uuid
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, count_of, parse_uuid
 
 # A barrier's change page lists this many arrivals of the current epoch, then counts the rest.
 ARRIVALS_SHOWN = 200
@@ -46,7 +46,7 @@ def _search_id(queryset, search_term: str):
 
 
 @admin.register(Barrier)
-class BarrierAdmin(admin.ModelAdmin):
+class BarrierAdmin(ProjectScopedAdmin):
     """Barriers: read-only here (arrivals and next epoch go through the API)."""
 
     list_display = (
@@ -141,7 +141,7 @@ def _label(timer: Timer) -> str:
 
 
 @admin.register(Timer)
-class TimerAdmin(ServiceBackedAdmin):
+class TimerAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     list_display = (
         "id",
         "run_link",

@@ -5,11 +5,11 @@ from django.db.models import Q
 
 from coordination.models import Event
 
-from .base import parse_uuid
+from .base import ProjectScopedAdmin, parse_uuid
 
 
 @admin.register(Event)
-class EventAdmin(admin.ModelAdmin):
+class EventAdmin(ProjectScopedAdmin):
     list_display = ("type", "run_id", "subject_id", "created_at", "id")
     list_filter = ("type", "project")
     search_fields = ("subject_id", "run_id")

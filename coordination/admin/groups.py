@@ -21,7 +21,7 @@ from coordination.selectors import group_is_due
 from coordination.services.groups import group_close
 from coordination.states import GroupCondition, GroupState, Verdict
 
-from .base import ServiceBackedAdmin, change_link, count_of, parse_uuid
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, count_of, parse_uuid
 
 # Where get_changelist_instance leaves each listed group's accepted counts for its column.
 ACCEPTED_ATTR = "_admin_accepted"
@@ -79,7 +79,7 @@ def _named(items: list[str]) -> str:
 
 
 @admin.register(TaskGroup)
-class TaskGroupAdmin(ServiceBackedAdmin):
+class TaskGroupAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     list_display = (
         "name",
         "id",

@@ -1,14 +1,21 @@
-"""API keys: created through ``api_key_create`` (plaintext shown once), revoked, never deleted."""
+"""API keys: created through ``api_key_create`` (plaintext shown once), revoked, never deleted.
+
+The plaintext of a new key is rendered into the add view's own response, a page sent with
+``Cache-Control: no-store``. It never goes through ``messages``: their cookie is signed, not
+encrypted, so anyone who sees the cookie (a proxy's log, a shared browser) would read the key.
+"""
 
 from django import forms
 from django.contrib import admin, messages
+from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 
 from coordination.models import ApiKey
 from coordination.services.keys import api_key_create, api_key_revoke
 from coordination.states import Permission
 
-from .base import ServiceBackedAdmin, count_of
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, count_of
 
 
 class ApiKeyCreateForm(forms.ModelForm):
@@ -44,7 +51,7 @@ class ApiKeyCreateForm(forms.ModelForm):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(ServiceBackedAdmin):
+class ApiKeyAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     list_display = (
         "name",
         "project",
@@ -103,8 +110,22 @@ class ApiKeyAdmin(ServiceBackedAdmin):
             expires_at=data["expires_at"],
         )
         # The only time the plaintext exists outside the caller's hands: only its hash is stored.
-        messages.success(request, f"New API key: {issued.plaintext} — copy it now, it will not be shown again.")
+        # It rides on this request alone, to the page response_add renders.
+        request.runstate_new_key = issued.plaintext
         return issued.api_key
+
+    def response_add(self, request, obj, post_url_continue=None):
+        """Show the new key once, on a page of its own, instead of redirecting with a message."""
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "New API key",
+            "opts": self.opts,
+            "api_key": obj,
+            "plaintext": request.runstate_new_key,
+        }
+        response = TemplateResponse(request, "admin/runstate/api_key_created.html", context)
+        add_never_cache_headers(response)
+        return response
 
     @admin.display(description="permissions")
     def permission_list(self, api_key: ApiKey) -> str:

@@ -15,7 +15,7 @@ from coordination.services.budgets import budget_set_limit, reservation_release
 from coordination.services.quotas import available, quota_put
 from coordination.states import ReservationState
 
-from .base import change_link, change_url, count_of
+from .base import ProjectScopedAdmin, change_link, change_url, count_of
 
 # A budget's change page lists this many of its latest reservations.
 RESERVATIONS_SHOWN = 100
@@ -33,7 +33,7 @@ def bar(used: int, limit: int, width_px: int = 120) -> str:
 
 
 @admin.register(Quota)
-class QuotaAdmin(admin.ModelAdmin):
+class QuotaAdmin(ProjectScopedAdmin):
     """Quotas: level now; limit and period editable (through ``quota_put``)."""
 
     list_display = ("name", "project", "limit", "period_ms", "level", "updated_at")
@@ -59,7 +59,7 @@ class QuotaAdmin(admin.ModelAdmin):
 
 
 @admin.register(Budget)
-class BudgetAdmin(admin.ModelAdmin):
+class BudgetAdmin(ProjectScopedAdmin):
     """Budgets: spent, reserved and limit; the limit editable (through ``budget_set_limit``)."""
 
     list_display = ("name", "run_link", "limit", "spent", "reserved", "remaining_display", "use")
@@ -117,7 +117,7 @@ class BudgetAdmin(admin.ModelAdmin):
 
 
 @admin.register(BudgetReservation)
-class BudgetReservationAdmin(admin.ModelAdmin):
+class BudgetReservationAdmin(ProjectScopedAdmin):
     """Reservations: read-only; release through the service."""
 
     list_display = ("id", "budget_name", "run_link", "amount", "committed", "state", "expires_at", "created_at")
@@ -155,7 +155,7 @@ class BudgetReservationAdmin(admin.ModelAdmin):
     def run_link(self, reservation: BudgetReservation) -> str:
         return change_link(reservation.run)
 
-    @admin.action(description="Release the selected reservations (hand their amounts back)")
+    @admin.action(description="Release the selected reservations (hand their amounts back)", permissions=["change"])
     def release_selected(self, request, queryset):
         released = 0
         for reservation in queryset.filter(state=ReservationState.RESERVED).select_related(None):

@@ -13,7 +13,7 @@ from coordination.models import Pool, PoolLease
 from coordination.services.mailboxes import NAME_PATTERN
 from coordination.services.pools import MAX_CAPACITY, pool_lease_release, pool_put, pool_stats
 
-from .base import ServiceBackedAdmin, change_link
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link
 
 
 class PoolForm(forms.ModelForm):
@@ -39,7 +39,7 @@ class PoolForm(forms.ModelForm):
 
 
 @admin.register(Pool)
-class PoolAdmin(ServiceBackedAdmin):
+class PoolAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     """Pools: capacity, units in use and waiters; the capacity is changed through the service."""
 
     form = PoolForm
@@ -94,7 +94,7 @@ class PoolAdmin(ServiceBackedAdmin):
 
 
 @admin.register(PoolLease)
-class PoolLeaseAdmin(admin.ModelAdmin):
+class PoolLeaseAdmin(ProjectScopedAdmin):
     """Pool leases and waiters: read-only, with a release action (the service's, idempotent)."""
 
     list_display = ("id", "pool", "run_link", "units", "state", "key", "arrival", "expires_at", "granted_at")
@@ -124,7 +124,9 @@ class PoolLeaseAdmin(admin.ModelAdmin):
         return False  # acquired through the API
 
     def has_change_permission(self, request, obj=None):  # noqa: D102
-        return False
+        # The release action needs the change permission; a lease's own page has nothing to
+        # edit, so it is shown as a view (and a post to it is refused).
+        return obj is None and super().has_change_permission(request)
 
     def has_delete_permission(self, request, obj=None):  # noqa: D102
         return False  # ended leases stay readable
@@ -133,7 +135,7 @@ class PoolLeaseAdmin(admin.ModelAdmin):
     def run_link(self, lease: PoolLease) -> str:
         return change_link(lease.run)
 
-    @admin.action(description="Release the selected leases (a waiter leaves the queue)")
+    @admin.action(description="Release the selected leases (a waiter leaves the queue)", permissions=["change"])
     def release(self, request, queryset):
         released = 0
         for lease in queryset.order_by("id"):

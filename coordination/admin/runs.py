@@ -33,7 +33,7 @@ from coordination.states import (
     TimerState,
 )
 
-from .base import ServiceBackedAdmin, change_link, change_url, changelist_url, count_of, parse_uuid
+from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, change_url, changelist_url, count_of, parse_uuid
 
 # The change page links this many children; the rest are one click away in the changelist.
 CHILDREN_SHOWN = 50
@@ -105,7 +105,7 @@ def _named(runs: list[str]) -> str:
 
 
 @admin.register(Run)
-class RunAdmin(ServiceBackedAdmin):
+class RunAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     list_display = ("id", "name", "project", "parent_link", "stored_state", "effective", "deadline", "created_at")
     list_filter = ("stored_state", "project")
     list_select_related = ("project", "parent")

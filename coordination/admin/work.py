@@ -29,7 +29,15 @@ from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_
 from coordination.services.tasks import task_cancel
 from coordination.states import TASK_HELD, MailboxMode, MessageState, TaskState
 
-from .base import ServiceBackedAdmin, change_link, changelist_url, count_of, parse_uuid
+from .base import (
+    ProjectScopedAdmin,
+    ServiceBackedAdmin,
+    VisibleRelatedFilter,
+    change_link,
+    changelist_url,
+    count_of,
+    parse_uuid,
+)
 from .reruns import rerun_selected
 
 # The states a mailbox's depth counts, per mode: what waits (first), what is held, what needs a look.
@@ -86,14 +94,13 @@ def _rows_list_url(mailbox: Mailbox, **filters: str) -> str:
     return f"{changelist_url(ROWS_OF_MODE[mailbox.mode])}?{urlencode({'mailbox__id__exact': mailbox.pk, **filters})}"
 
 
-class MailboxOfModeFilter(admin.RelatedFieldListFilter):
+class MailboxOfModeFilter(VisibleRelatedFilter):
     """Offer only the mailboxes that can hold the listed rows (WORK for tasks, QUEUE for messages)."""
 
     mode: MailboxMode
 
-    def field_choices(self, field, request, model_admin):  # noqa: D102
-        ordering = self.field_admin_ordering(field, request, model_admin)
-        return field.get_choices(include_blank=False, ordering=ordering, limit_choices_to={"mode": self.mode})
+    def limit_choices(self, field, request) -> dict:  # noqa: D102
+        return {**super().limit_choices(field, request), "mode": self.mode}
 
 
 class WorkMailboxFilter(MailboxOfModeFilter):
@@ -140,7 +147,7 @@ def _checked(validate, value: int | None) -> int | None:
 
 
 @admin.register(Mailbox)
-class MailboxAdmin(ServiceBackedAdmin):
+class MailboxAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     form = MailboxSettingsForm
     list_display = ("name", "project", "mode", "lease_ttl", "attempts_setting", "depth", "oldest_queued")
     list_filter = ("mode", "project")
@@ -244,7 +251,7 @@ class TaskCancelForm(forms.Form):
 
 
 @admin.register(Task)
-class TaskAdmin(ServiceBackedAdmin):
+class TaskAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     list_display = (
         "id",
         "mailbox",
@@ -425,7 +432,7 @@ def _search_id_or_key(queryset, search_term: str):
 
 
 @admin.register(Message)
-class MessageAdmin(admin.ModelAdmin):
+class MessageAdmin(ProjectScopedAdmin):
     """Deliveries of QUEUE mailboxes: read-only here."""
 
     list_display = (

@@ -1,11 +1,11 @@
 """The dashboard's admissions panel: admitted and waiting per parent run."""
 
-import uuid
 from dataclasses import dataclass
 
 from django.db.models import Q
 
 from coordination.models import AdmissionConfig
+from coordination.project_scope import ProjectScope, of_projects
 
 ROWS = 20
 
@@ -26,9 +26,8 @@ class AdmissionLine:
         return min(100, round(100 * self.config.admitted / self.config.max_active))
 
 
-def admission_lines(project_id: uuid.UUID | None = None) -> list[AdmissionLine]:
+def admission_lines(projects: ProjectScope = None) -> list[AdmissionLine]:
     """Return the runs with admitted or waiting admissions, the longest lines first."""
     configs = AdmissionConfig.objects.filter(Q(admitted__gt=0) | Q(waiting__gt=0)).select_related("run")
-    if project_id is not None:
-        configs = configs.filter(project_id=project_id)
+    configs = of_projects(configs, projects)
     return [AdmissionLine(config) for config in configs.order_by("-waiting", "-admitted", "id")[:ROWS]]

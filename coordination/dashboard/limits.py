@@ -1,11 +1,10 @@
 """The dashboard's quotas-and-budgets panel: bucket levels and budget bars."""
 
-import uuid
-
 from django.utils import timezone
 
 from coordination.admin.base import change_url
 from coordination.models import Budget, Quota
+from coordination.project_scope import ProjectScope, of_projects
 from coordination.services.quotas import available
 from coordination.states import RunState
 
@@ -17,13 +16,11 @@ def _percent(used: int, limit: int) -> int:
     return 100 if limit <= 0 else min(100, round(100 * used / limit))
 
 
-def quota_budget_rows(project_id: uuid.UUID | None) -> dict:
+def quota_budget_rows(projects: ProjectScope) -> dict:
     """Return the panel's quotas (level now) and the budgets of active runs (spent, reserved, limit)."""
     now = timezone.now()
-    quotas = Quota.objects.select_related("project").order_by("project__name", "name")
-    budgets = Budget.objects.filter(run__stored_state=RunState.ACTIVE).select_related("project")
-    if project_id is not None:
-        quotas, budgets = quotas.filter(project_id=project_id), budgets.filter(project_id=project_id)
+    quotas = of_projects(Quota.objects.select_related("project").order_by("project__name", "name"), projects)
+    budgets = of_projects(Budget.objects.filter(run__stored_state=RunState.ACTIVE).select_related("project"), projects)
     quota_rows = []
     for quota in quotas[:100]:
         tokens = available(quota, now)

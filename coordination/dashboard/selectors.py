@@ -1,6 +1,7 @@
 """What the dashboard shows, read in a few grouped queries per panel.
 
-Every function takes an optional project: the dashboard shows every project, or one.
+Every function takes the projects to cover (``ProjectScope``): every project (None), one,
+or the ones the staff user may see (``coordination.project_scope``).
 """
 
 import uuid
@@ -8,13 +9,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Min, QuerySet
+from django.db.models import Count, Min
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from coordination.admin.groups import groups_accepted, progress_text
 from coordination.admin.work import Depth, mailboxes_depth
 from coordination.models import Barrier, Event, Mailbox, Message, Run, Task, TaskGroup, Timer
+from coordination.project_scope import ProjectScope, of_projects
 from coordination.selectors import EffectiveState, runs_effective
 from coordination.states import (
     TASK_HELD,
@@ -32,10 +34,6 @@ ROWS = 50
 # The charts cover this long, one bar per minute.
 CHART_MINUTES = 60
 FINISHED_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "task.expired")
-
-
-def _of_project(queryset: QuerySet, project_id: uuid.UUID | None) -> QuerySet:
-    return queryset if project_id is None else queryset.filter(project_id=project_id)
 
 
 # Counts by state ---------------------------------------------------------------------------
@@ -66,12 +64,12 @@ COUNTED = (
 )
 
 
-def state_counts(project_id: uuid.UUID | None = None) -> list[StateCounts]:
+def state_counts(projects: ProjectScope = None) -> list[StateCounts]:
     """Return runs, tasks, messages, groups, barriers and timers by state (one query each)."""
     result = []
     for kind, model, field_name, states in COUNTED:
         counts = dict.fromkeys((str(state) for state in states), 0)
-        rows = _of_project(model.objects.all(), project_id).order_by().values_list(field_name).annotate(n=Count("pk"))
+        rows = of_projects(model.objects.all(), projects).order_by().values_list(field_name).annotate(n=Count("pk"))
         counts.update(dict(rows))
         result.append(StateCounts(kind, model, field_name, counts))
     return result
@@ -91,9 +89,9 @@ class MailboxDepth:
         return next(iter(self.depth.counts.values()))
 
 
-def mailbox_depths(project_id: uuid.UUID | None = None) -> list[MailboxDepth]:
+def mailbox_depths(projects: ProjectScope = None) -> list[MailboxDepth]:
     """Return the mailboxes with their depth, the most queued first (at most ``ROWS``)."""
-    mailboxes = list(_of_project(Mailbox.objects.select_related("project"), project_id).order_by("name")[:500])
+    mailboxes = list(of_projects(Mailbox.objects.select_related("project"), projects).order_by("name")[:500])
     depths = mailboxes_depth(mailboxes)
     rows = [MailboxDepth(mailbox, depths[mailbox.id]) for mailbox in mailboxes]
     rows.sort(key=lambda row: (-row.queued, row.depth.oldest_queued_at or timezone.now(), row.mailbox.name))
@@ -109,10 +107,10 @@ class WorkerLeases:
     oldest_start: datetime | None
 
 
-def leases_by_worker(project_id: uuid.UUID | None = None) -> list[WorkerLeases]:
+def leases_by_worker(projects: ProjectScope = None) -> list[WorkerLeases]:
     """Return the workers holding leases, the busiest first (at most ``ROWS``)."""
     rows = (
-        _of_project(Task.objects.filter(state__in=TASK_HELD), project_id)
+        of_projects(Task.objects.filter(state__in=TASK_HELD), projects)
         .order_by()
         .values_list("worker_id", "state")
         .annotate(n=Count("id"), next_expiry=Min("lease_expires_at"), oldest=Min("started_at"))
@@ -150,10 +148,10 @@ class PendingGroup:
     goal: int
 
 
-def groups_awaiting(project_id: uuid.UUID | None = None) -> list[PendingGroup]:
+def groups_awaiting(projects: ProjectScope = None) -> list[PendingGroup]:
     """Return undecided groups, oldest first, with their accepted/threshold progress."""
     groups = list(
-        _of_project(TaskGroup.objects.exclude(state=GroupState.FINALIZED), project_id)
+        of_projects(TaskGroup.objects.exclude(state=GroupState.FINALIZED), projects)
         .select_related("mailbox")
         .order_by("created_at", "id")[:ROWS]
     )
@@ -181,12 +179,12 @@ def _minutes(now: datetime) -> list[datetime]:
     return [last - timedelta(minutes=CHART_MINUTES - 1 - i) for i in range(CHART_MINUTES)]
 
 
-def throughput(project_id: uuid.UUID | None = None, now: datetime | None = None) -> Series:
+def throughput(projects: ProjectScope = None, now: datetime | None = None) -> Series:
     """Return tasks finished per second, averaged over each minute of the last hour (from events)."""
     now = now or timezone.now()
     starts = _minutes(now)
     rows = (
-        _of_project(Event.objects.filter(type__in=FINISHED_EVENTS, created_at__gte=starts[0]), project_id)
+        of_projects(Event.objects.filter(type__in=FINISHED_EVENTS, created_at__gte=starts[0]), projects)
         .annotate(minute=TruncMinute("created_at"))
         .order_by()
         .values_list("minute", "type")
@@ -200,12 +198,12 @@ def throughput(project_id: uuid.UUID | None = None, now: datetime | None = None)
     return Series(starts, values)
 
 
-def decisions(project_id: uuid.UUID | None = None, now: datetime | None = None) -> Series:
+def decisions(projects: ProjectScope = None, now: datetime | None = None) -> Series:
     """Return groups decided per minute of the last hour, by outcome."""
     now = now or timezone.now()
     starts = _minutes(now)
     rows = (
-        _of_project(TaskGroup.objects.filter(finalized_at__gte=starts[0]), project_id)
+        of_projects(TaskGroup.objects.filter(finalized_at__gte=starts[0]), projects)
         .annotate(minute=TruncMinute("finalized_at"))
         .order_by()
         .values_list("minute", "outcome")
@@ -264,8 +262,8 @@ def _nodes(runs: list[Run], expanded: set[uuid.UUID], depth_left: int) -> list[R
     return nodes
 
 
-def run_tree(project_id: uuid.UUID | None = None, expanded: Iterable[uuid.UUID] = (), roots: int = 20) -> list[RunNode]:
+def run_tree(projects: ProjectScope = None, expanded: Iterable[uuid.UUID] = (), roots: int = 20) -> list[RunNode]:
     """Return the newest root runs (groups' gates aside) with the ``expanded`` runs' children below them."""
-    queryset = _of_project(Run.objects.filter(parent__isnull=True, gated_group__isnull=True), project_id)
+    queryset = of_projects(Run.objects.filter(parent__isnull=True, gated_group__isnull=True), projects)
     newest = list(queryset.order_by("-created_at", "-id")[:roots])
     return _nodes(newest, set(expanded), depth_left=16)

@@ -9,6 +9,7 @@ script polls meanwhile.
 
 import json
 import uuid
+from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from django.contrib import admin
@@ -29,6 +30,7 @@ from coordination.dashboard.admissions import admission_lines
 from coordination.dashboard.charts import stacked_bars
 from coordination.dashboard.limits import quota_budget_rows
 from coordination.models import Event, Project, Task
+from coordination.project_scope import ProjectScope, of_projects, project_scope, sees_every_project, visible_projects
 from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
 from coordination.stuck_cancellations import stuck_cancellations
 
@@ -39,9 +41,22 @@ DECISION_COLORS = {"SUCCESS": "#2e7d32", "FAILURE": "#c62828"}
 STREAM_BATCH = 200
 
 
-def _project(request) -> Project | None:
+@dataclass(frozen=True)
+class Scope:
+    """What the panels cover: the project chosen (if the user may see it), and every project covered."""
+
+    project: Project | None
+    projects: ProjectScope  # None: every project; otherwise the ids the user may see (or the chosen one)
+
+
+def _scope(request) -> Scope:
+    """Return the panels' scope: the chosen project, else every project the user may see."""
     name = request.GET.get("project") or ""
-    return Project.objects.filter(name=name).first() if name else None
+    if not name:
+        return Scope(None, project_scope(request.user))
+    # One the user may not see is answered as one that does not exist: nothing.
+    project = visible_projects(request.user).filter(name=name).first()
+    return Scope(project, [] if project is None else project.id)
 
 
 def _expanded(request) -> list[uuid.UUID]:
@@ -58,18 +73,19 @@ def _filtered(url: str, **filters: object) -> str:
     return f"{url}?{urlencode({k: str(v) for k, v in filters.items() if v is not None})}"
 
 
-def _counts_rows(project: Project | None) -> list[dict]:
+def _counts_rows(scope: Scope) -> list[dict]:
+    project = scope.project
     rows = []
-    for counted in selectors.state_counts(project.id if project else None):
+    for counted in selectors.state_counts(scope.projects):
         url = changelist_url(counted.model)
-        scope = {"project__id__exact": project.id if project else None}
+        in_project = {"project__id__exact": project.id if project else None}
         rows.append(
             {
                 "kind": counted.kind,
                 "total": counted.total,
-                "url": _filtered(url, **scope),
+                "url": _filtered(url, **in_project),
                 "states": [
-                    (state, count, _filtered(url, **{f"{counted.field}__exact": state}, **scope))
+                    (state, count, _filtered(url, **{f"{counted.field}__exact": state}, **in_project))
                     for state, count in counted.counts.items()
                 ],
             }
@@ -77,9 +93,9 @@ def _counts_rows(project: Project | None) -> list[dict]:
     return rows
 
 
-def _queue_rows(project: Project | None, now) -> list[dict]:
+def _queue_rows(scope: Scope, now) -> list[dict]:
     rows = []
-    for row in selectors.mailbox_depths(project.id if project else None):
+    for row in selectors.mailbox_depths(scope.projects):
         rows_url = changelist_url(ROWS_OF_MODE[row.mailbox.mode])
         rows.append(
             {
@@ -96,7 +112,8 @@ def _queue_rows(project: Project | None, now) -> list[dict]:
     return rows
 
 
-def _worker_rows(project: Project | None, now) -> list[dict]:
+def _worker_rows(scope: Scope, now) -> list[dict]:
+    project = scope.project
     tasks_url = changelist_url(Task)
     return [
         {
@@ -106,11 +123,11 @@ def _worker_rows(project: Project | None, now) -> list[dict]:
             if worker.next_expiry is None
             else round((worker.next_expiry - now).total_seconds(), 1),
         }
-        for worker in selectors.leases_by_worker(project.id if project else None)
+        for worker in selectors.leases_by_worker(scope.projects)
     ]
 
 
-def _stuck_rows(project: Project | None, now) -> list[dict]:
+def _stuck_rows(scope: Scope, now) -> list[dict]:
     return [
         {
             "stuck": stuck,
@@ -123,16 +140,15 @@ def _stuck_rows(project: Project | None, now) -> list[dict]:
             if stuck.task.lease_expires_at is None
             else (stuck.task.lease_expires_at - now).total_seconds(),
         }
-        for stuck in stuck_cancellations(now, project.id if project else None, limit=selectors.ROWS)
+        for stuck in stuck_cancellations(now, scope.projects, limit=selectors.ROWS)
     ]
 
 
-def _pool_rows(project: Project | None) -> list[dict]:
+def _pool_rows(scope: Scope) -> list[dict]:
     from coordination.models import Pool, PoolLease
     from coordination.services.pools import pool_stats
 
-    queryset = Pool.objects.select_related("project").order_by("project__name", "name")
-    pools = list(queryset if project is None else queryset.filter(project=project))
+    pools = list(of_projects(Pool.objects.select_related("project").order_by("project__name", "name"), scope.projects))
     stats = pool_stats(pools)
     leases_url = changelist_url(PoolLease)
     return [
@@ -149,19 +165,19 @@ def _pool_rows(project: Project | None) -> list[dict]:
 
 
 def _panel_context(request) -> dict:
-    project = _project(request)
-    project_id = project.id if project else None
+    scope = _scope(request)
+    project, projects = scope.project, scope.projects
     now = timezone.now()
-    throughput = selectors.throughput(project_id, now)
-    decided = selectors.decisions(project_id, now)
+    throughput = selectors.throughput(projects, now)
+    decided = selectors.decisions(projects, now)
     finished = sum(sum(values) for values in throughput.values.values()) * 60
     return {
         "project": project,
         "now": now,
-        "counts": _counts_rows(project),
-        "queues": _queue_rows(project, now),
-        "workers": _worker_rows(project, now),
-        "pending_groups": selectors.groups_awaiting(project_id),
+        "counts": _counts_rows(scope),
+        "queues": _queue_rows(scope, now),
+        "workers": _worker_rows(scope, now),
+        "pending_groups": selectors.groups_awaiting(projects),
         "throughput_chart": stacked_bars(
             throughput,
             colors=THROUGHPUT_COLORS,
@@ -176,11 +192,11 @@ def _panel_context(request) -> dict:
             unit="decisions/min",
             caption=f"{sum(sum(v) for v in decided.values.values()):.0f} groups decided in the last hour",
         ),
-        "tree": selectors.run_tree(project_id, _expanded(request)),
-        "stuck": _stuck_rows(project, now),
-        "admission_lines": admission_lines(project_id),
-        "pools": _pool_rows(project),
-        "quotas_budgets": quota_budget_rows(project_id),
+        "tree": selectors.run_tree(projects, _expanded(request)),
+        "stuck": _stuck_rows(scope, now),
+        "admission_lines": admission_lines(projects),
+        "pools": _pool_rows(scope),
+        "quotas_budgets": quota_budget_rows(projects),
     }
 
 
@@ -198,7 +214,8 @@ def dashboard(request):
     context = {
         **admin.site.each_context(request),
         "title": "Dashboard",
-        "projects": Project.objects.order_by("name"),
+        "projects": visible_projects(request.user).order_by("name"),
+        "sees_every_project": sees_every_project(request.user),
         "panels": render_panels(request),
         "selected_project": request.GET.get("project") or "",
     }
@@ -214,22 +231,25 @@ def panels(request):
 # The staff-only event stream -----------------------------------------------------------------
 
 
-def _stream_start(project_name: str) -> str:
-    """Return the composite cursor at the head of every project's log (or the chosen one's)."""
-    projects = Project.objects.order_by("id")
-    if project_name:
-        projects = projects.filter(name=project_name)
+def _streamed_projects(user, project_name: str):
+    """Return the projects the stream covers: the ones ``user`` may see (or the chosen one among them)."""
+    projects = visible_projects(user).order_by("id")
+    return projects.filter(name=project_name) if project_name else projects
+
+
+def _stream_start(user, project_name: str) -> str:
+    """Return the composite cursor at the head of every visible project's log (or the chosen one's)."""
+    projects = _streamed_projects(user, project_name)
     return json.dumps({str(p.id): event_head(Visibility(project_id=p.id)) for p in projects})
 
 
-def _stream_read(project_name: str):
-    """Return ``read(cursor)`` over every project's events (or one's), a JSON cursor per project."""
+def _stream_read(user, project_name: str):
+    """Return ``read(cursor)`` over every visible project's events (or one's), a JSON cursor per project."""
 
     def read(cursor: str) -> tuple[list[Event], str]:
         cursors = json.loads(cursor)
-        projects = Project.objects.order_by("id").values_list("id", flat=True)
-        if project_name:
-            projects = Project.objects.filter(name=project_name).values_list("id", flat=True)
+        # Asked again each round: a project created (or a group granted) since counts from then on.
+        projects = _streamed_projects(user, project_name).values_list("id", flat=True)
         events: list[Event] = []
         for project_id in projects:
             # A project created after the stream started: every event of it is new.
@@ -258,13 +278,13 @@ def _present(event: Event):
 
 @never_cache
 async def stream(request):
-    """Stream every event's type and ids to a logged-in staff member (never to an API key)."""
+    """Stream the events' types and ids of the projects a logged-in staff member may see (never to an API key)."""
     user = await request.auser()
     if not user.is_authenticated:
         return redirect_to_login(request.get_full_path())
     if not (user.is_active and user.is_staff):
         return HttpResponseForbidden("Staff only.")
     project_name = request.GET.get("project") or ""
-    start = await sync_to_async(_stream_start)(project_name)
+    start = await sync_to_async(_stream_start)(user, project_name)
     await sync_to_async(_close_connection)()
-    return event_stream_response(event_frames(_stream_read(project_name), after=start, present=_present))
+    return event_stream_response(event_frames(_stream_read(user, project_name), after=start, present=_present))

@@ -13,9 +13,18 @@ class Project(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     name = models.SlugField(max_length=100, unique=True)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    # Who among the staff sees the project in the admin and the dashboard, besides superusers
+    # and holders of view_every_project (coordination/project_scope.py).
+    staff_groups = models.ManyToManyField(
+        "auth.Group",
+        blank=True,
+        related_name="runstate_projects",
+        help_text="Staff in these groups see this project in the admin and the dashboard.",
+    )
 
     class Meta:
         ordering = ["name"]
+        permissions = [("view_every_project", "Can see every project in the admin and the dashboard")]
 
     def __str__(self) -> str:
         return self.name

@@ -6,7 +6,9 @@ import uuid
 import pytest
 from django.apps import apps
 from django.contrib import messages
+from django.contrib.messages.storage.cookie import CookieStorage
 from django.db import connection
+from django.http import HttpRequest
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
@@ -209,7 +211,7 @@ def test_cancel_action_on_a_completed_run_reports_scope_completed(admin_client, 
 # API keys --------------------------------------------------------------------------------
 
 
-def add_key(client, project, **fields):
+def add_key(client, project, follow=True, **fields):
     data = {
         "project": str(project.pk),
         "name": "ci",
@@ -219,7 +221,7 @@ def add_key(client, project, **fields):
         "expires_at_1": "",
         **fields,
     }
-    return client.post(KEY_ADD, data, follow=True)
+    return client.post(KEY_ADD, data, follow=follow)
 
 
 def every_stored_value():
@@ -228,16 +230,19 @@ def every_stored_value():
             yield from (str(value) for value in row)
 
 
+def shown_key(response) -> str:
+    """Return the one plaintext key the page shows (it must show exactly one, exactly once)."""
+    shown = PLAINTEXT.findall(response.content.decode())
+    assert len(shown) == 1, shown
+    return shown[0]
+
+
 def test_add_form_creates_a_key_through_the_service_and_shows_it_once(admin_client, project):
     response = add_key(admin_client, project)
 
     assert response.status_code == 200
-    texts = " ".join(text for _, text in messages_of(response))
-    shown = PLAINTEXT.findall(texts)
-    assert len(shown) == 1
-    plaintext = shown[0]
-    assert "will not be shown again" in texts
-    assert response.content.decode().count(plaintext) == 1
+    plaintext = shown_key(response)
+    assert "will not be shown again" in response.content.decode()
     api_key = api_key_authenticate(plaintext)
     assert api_key is not None
     assert api_key.project == project
@@ -255,13 +260,40 @@ def test_add_form_creates_a_key_through_the_service_and_shows_it_once(admin_clie
     assert not [value for value in every_stored_value() if secret in value]
 
 
+def cookie_texts(response):
+    """Yield every cookie the response sets, raw and, for the messages cookie, decoded."""
+    messages_cookie = CookieStorage(HttpRequest())
+    for morsel in response.cookies.values():
+        yield morsel.value
+        decoded = messages_cookie._decode(morsel.value)  # None unless it is a signed messages cookie
+        if decoded:
+            yield " ".join(str(message) for message in decoded)
+
+
+def test_a_new_key_is_shown_on_a_page_of_its_own_never_in_a_cookie_or_the_session(admin_client, project):
+    """Issue 25: the plaintext travelled in the signed, unencrypted ``messages`` cookie."""
+    response = add_key(admin_client, project, follow=False)
+
+    assert response.status_code == 200  # the page itself, not a redirect carrying a message
+    assert "no-store" in response["Cache-Control"]
+    plaintext = shown_key(response)
+    secret = secret_of(plaintext)
+    assert not [text for text in cookie_texts(response) if secret in text]
+    session = admin_client.session
+    assert secret not in str(dict(session.items()))
+    assert secret not in str(session.encode(dict(session.items())))
+    # The next page shows no message with it either.
+    following = admin_client.get(KEYS)
+    assert secret not in following.content.decode()
+    assert not [text for text in cookie_texts(following) if secret in text]
+
+
 def test_add_form_binds_the_key_to_a_run_of_the_project(admin_client, project, tree):
     parent, _ = tree
 
     response = add_key(admin_client, project, run=str(parent.pk))
 
-    plaintext = PLAINTEXT.findall(" ".join(text for _, text in messages_of(response)))[0]
-    assert api_key_authenticate(plaintext).run_id == parent.id
+    assert api_key_authenticate(shown_key(response)).run_id == parent.id
 
 
 def test_add_form_refuses_a_run_of_another_project(admin_client, project, other_project):
