@@ -18,7 +18,7 @@ class CoordinationConfig(AppConfig):
         """
         from django.db.models.signals import post_delete, post_save
 
-        from coordination import process_cache
+        from coordination import checks, process_cache  # noqa: F401 - checks registers the system checks
         from coordination.api import schema  # noqa: F401 - registers the extension
         from coordination.logging import redact_every_handler
         from coordination.models import ApiKey, Mailbox
