@@ -14,7 +14,8 @@ class CoordinationConfig(AppConfig):
         """Register the OpenAPI description of the API-key authentication; keep keys out of every log.
 
         Also: a process that saves or deletes an API key or a mailbox forgets its cached copy
-        at once (``coordination.process_cache``).
+        at once (``coordination.process_cache``), and runstate's deployment checks are
+        registered (``coordination.checks``).
         """
         from django.db.models.signals import post_delete, post_save
 
