@@ -74,8 +74,9 @@ API_MIDDLEWARE = [
 
 # --- Safe production defaults (issue 25) ---------------------------------------------------
 # DEBUG, the secret key, HTTPS and the Content-Security-Policy: ``manage.py check --deploy``
-# is clean under the environment docs/deploy.md gives (scripts/test and
-# tests/operator/test_deploy_check.py run it), and local development over plain HTTP works.
+# is clean under the environment docs/deploy.md gives (scripts/check_deploy, which scripts/test
+# and tests/operator/test_production_settings.py run), and local development over plain HTTP
+# works.
 
 # Off unless set: Django's debug page shows settings and the environment (scripts/start sets
 # DEBUG=1 for development and says so).
