@@ -1,15 +1,18 @@
 """Settings for runstate, read only from the environment.
 
-Every setting has a safe development default so that a fresh clone runs with nothing
-configured: a SQLite file under ``var/`` and a broker that needs no server. Production sets
+Every setting has a default that is safe in production and lets a fresh clone run with
+nothing configured: a SQLite file under ``var/``, a broker that needs no server, ``DEBUG``
+off (``scripts/start`` turns it on) and a secret key generated into ``var/``. Production sets
 ``DATABASE_URL`` (PostgreSQL), ``CELERY_BROKER_URL`` (Redis or RabbitMQ), ``SECRET_KEY``,
-``DEBUG=0`` and ``ALLOWED_HOSTS``.
+``ALLOWED_HOSTS`` and ``RUNSTATE_HTTPS=1`` (``docs/deploy.md``).
 """
 
 import os
+import secrets
 from pathlib import Path
 
 import dj_database_url
+from django.utils.csp import CSP
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("RUNSTATE_VAR_DIR", BASE_DIR / "var"))
@@ -29,12 +32,6 @@ def env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
-DEBUG = env_bool("DEBUG", True)
-SECRET_KEY = os.environ.get("SECRET_KEY", "")
-if not SECRET_KEY:
-    if not DEBUG:
-        raise RuntimeError("SECRET_KEY must be set when DEBUG is off")
-    SECRET_KEY = "dev-insecure-runstate-secret-key-change-me"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "")
 
@@ -74,6 +71,90 @@ API_MIDDLEWARE = [
     "coordination.logging.RequestContextMiddleware",
     "coordination.api.middleware.ApiSecurityMiddleware",
 ]
+
+# --- Safe production defaults (issue 25) ---------------------------------------------------
+# DEBUG, the secret key, HTTPS and the Content-Security-Policy: ``manage.py check --deploy``
+# is clean under the environment docs/deploy.md gives (scripts/check_deploy, which scripts/test
+# and tests/operator/test_production_settings.py run), and local development over plain HTTP
+# works.
+
+# Off unless set: Django's debug page shows settings and the environment (scripts/start sets
+# DEBUG=1 for development and says so).
+DEBUG = env_bool("DEBUG", False)
+
+
+def secret_key_generated(path: Path) -> str:
+    """Return the secret key kept in ``path``, creating it (random, readable by its owner only) the first time.
+
+    Processes that share a ``RUNSTATE_VAR_DIR`` (one machine, the test suite and the servers
+    it starts) share the key; two creating it at once keep the first one linked in place.
+    """
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    draft = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_urlsafe(50))
+    try:
+        os.link(draft, path)
+    except FileExistsError:
+        pass
+    finally:
+        draft.unlink()
+    return path.read_text().strip()
+
+
+# Production sets SECRET_KEY, the same on every machine (sessions and CSRF tokens signed by one
+# API process are checked by another); without it each VAR_DIR has a random key of its own,
+# which check --deploy reports (runstate.W001, coordination/checks.py).
+SECRET_KEY_FILE = VAR_DIR / "secret_key"
+SECRET_KEY = os.environ.get("SECRET_KEY") or secret_key_generated(SECRET_KEY_FILE)
+
+# RUNSTATE_HTTPS=1: the service is reached over HTTPS only (TLS at a proxy or the balancer).
+# Cookies are then sent over HTTPS only, browsers are told to use nothing else (HSTS), and a
+# plain-HTTP request is redirected, except the health checks and metrics a balancer or
+# Prometheus sends from inside the network. Each part has its own variable to override it.
+RUNSTATE_HTTPS = env_bool("RUNSTATE_HTTPS", False)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", RUNSTATE_HTTPS)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", RUNSTATE_HTTPS)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", RUNSTATE_HTTPS)
+SECURE_REDIRECT_EXEMPT = [r"^v1/(healthz|readyz|metrics)$"]
+SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", 31_536_000 if RUNSTATE_HTTPS else 0))
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", RUNSTATE_HTTPS)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", RUNSTATE_HTTPS)
+# The header a TLS-terminating proxy sets to say the client used HTTPS ("X-Forwarded-Proto":
+# it must then set or strip it on every request). Without it, behind such a proxy every
+# request looks like plain HTTP and SECURE_SSL_REDIRECT would redirect forever.
+RUNSTATE_PROXY_SSL_HEADER = os.environ.get("RUNSTATE_PROXY_SSL_HEADER", "").strip()
+if RUNSTATE_PROXY_SSL_HEADER:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_" + RUNSTATE_PROXY_SSL_HEADER.upper().replace("-", "_"), "https")
+
+# Content-Security-Policy on every page (the admin, its dashboard, the API docs at /v1/docs):
+# scripts only from the service's own static files (none inline); inline styles stay allowed
+# (the dashboard's bars and Swagger UI set them). The API stack sets it without a thread hop
+# (coordination/api/middleware.py).
+SECURE_CSP = {
+    "default-src": [CSP.SELF],
+    "script-src": [CSP.SELF],
+    "style-src": [CSP.SELF, CSP.UNSAFE_INLINE],
+    "img-src": [CSP.SELF, "data:"],
+    "object-src": [CSP.NONE],
+    "base-uri": [CSP.NONE],
+    "frame-ancestors": [CSP.NONE],
+    "form-action": [CSP.SELF],
+}
+MIDDLEWARE.insert(
+    MIDDLEWARE.index("django.middleware.security.SecurityMiddleware") + 1,
+    "django.middleware.csp.ContentSecurityPolicyMiddleware",
+)
+API_MIDDLEWARE.append("coordination.api.middleware.ApiContentSecurityPolicyMiddleware")
+
+# The debug page (DEBUG on) hides the credentials inside URL-valued settings and environment
+# variables (DATABASE_URL, CELERY_BROKER_URL...), not only settings named like secrets.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "runstate_project.debug.CredentialHidingReporterFilter"
+# --- end of the safe production defaults ---------------------------------------------------
 
 ROOT_URLCONF = "runstate_project.urls"
 

@@ -1,7 +1,7 @@
 """Routes of ``/v1``."""
 
 from django.urls import path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from coordination.api.views import (
     admissions,
@@ -24,7 +24,8 @@ urlpatterns = [
     path("readyz", health.ReadyView.as_view(), name="readyz"),
     path("metrics", metrics.MetricsView.as_view(), name="metrics"),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
-    path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    # Its script is served apart (`?script`), not inline: the Content-Security-Policy allows no inline script.
+    path("docs", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),
     path("runs", runs.RunCollectionView.as_view(), name="runs"),
     path("runs/<str:run_id>", runs.RunDetailView.as_view(), name="run-detail"),
     path("runs/<str:run_id>/children", runs.RunChildrenView.as_view(), name="run-children"),

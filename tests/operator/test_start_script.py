@@ -69,6 +69,8 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.pop("DEBUG", None)  # as in a fresh shell: the script turns it on for development
+    env.pop("SECRET_KEY", None)
     output = tmp_path / "start.out"
     # A shell started in the background may inherit SIGINT ignored, and bash cannot trap a
     # signal ignored at its start: give the script SIGINT's default, as a terminal does.
@@ -102,6 +104,7 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
             assert time.monotonic() < deadline, f"scripts/start did not come up within {START_S} s:\n{log()}"
             time.sleep(0.2)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=10).json() == {"status": "ok"}
+        assert "DEBUG=1 (development" in output.read_text(), "the script says it turned DEBUG on"
 
         (master,) = [pid for pid in children(script.pid) if "uvicorn" in command_line(pid)]
         assert "--workers 2" in command_line(master)

@@ -71,6 +71,10 @@
       while (eventList.children.length > EVENTS_SHOWN) eventList.removeChild(eventList.lastChild);
     }
 
+    // Choosing a project reloads the page for it (here, not inline: the CSP allows no inline handler).
+    var projectSelect = root.querySelector('select[name="project"]');
+    if (projectSelect) projectSelect.addEventListener("change", function () { projectSelect.form.submit(); });
+
     // Opening or closing a run in the tree: remember it and fetch its children.
     root.addEventListener("toggle", function (event) {
       var details = event.target;
