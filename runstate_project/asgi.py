@@ -30,9 +30,11 @@ from django.conf import settings
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core import signals
 from django.core.asgi import get_asgi_application
-from django.core.exceptions import RequestAborted
+from django.core.exceptions import RequestAborted, SuspiciousFileOperation
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
+from django.core.handlers.exception import response_for_exception
+from django.http import Http404
 from django.urls import URLResolver, get_resolver, set_script_prefix
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
@@ -179,6 +181,16 @@ def _keyed_routes() -> re.Pattern:
     return _routes_of({view for _, view in routes() if keyed(view)})
 
 
+class StaticFilesHandler(ASGIStaticFilesHandler):
+    """Django's static files handler, answering a path outside the static files 404 (it was an unhandled error)."""
+
+    async def get_response_async(self, request):  # noqa: D102 - see the class
+        try:
+            return await super().get_response_async(request)
+        except SuspiciousFileOperation:  # ``/static/../../etc/passwd``: refused by the storage
+            return await sync_to_async(response_for_exception)(request, Http404("No such static file."))
+
+
 def _route(api, site):
     """Send ``/v1/`` requests to ``api`` and everything else (admin, static, lifespan) to ``site``."""
 
@@ -194,5 +206,5 @@ site = get_asgi_application()  # sets Django up
 from coordination.api import edge  # noqa: E402 - its models need Django set up
 
 if settings.RUNSTATE_SERVE_STATIC:
-    site = ASGIStaticFilesHandler(site)
+    site = StaticFilesHandler(site)
 application = _route(ApiASGIHandler(), site)
