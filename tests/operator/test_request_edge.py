@@ -121,9 +121,14 @@ def test_bodies_are_checked_before_they_are_read(tmp_path, keys):
         assert pulled < unread, pulled
 
         bearer = {"Authorization": f"Bearer {keys['valid']}", "Content-Type": "application/json"}
-        status, answer, pulled = post_counted(server.url, "/v1/runs", bearer)
-        assert (status, answer.get("error", {}).get("code")) == (413, "VALIDATION_ERROR"), answer
-        assert pulled < limit + unread, pulled
+        # A synchronous view, and a long-poll (an async view, which Django's own handler reads for).
+        for path in ("/v1/runs", "/v1/mailboxes/jobs/claims"):
+            status, answer, pulled = post_counted(server.url, path, bearer)
+            assert (status, answer.get("error", {}).get("code")) == (413, "VALIDATION_ERROR"), (path, answer)
+            assert pulled < limit + unread, (path, pulled)
+        status, answer, pulled = post_counted(server.url, "/v1/mailboxes/jobs/claims", {})
+        assert (status, answer.get("error", {}).get("code")) == (401, "UNAUTHENTICATED"), answer
+        assert pulled < unread, pulled
 
         # Headers only: the answer (413, the size is checked first) comes without a byte of the body.
         for headers in ("", f"Authorization: Bearer {keys['valid']}\r\n"):
