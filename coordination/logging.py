@@ -10,6 +10,13 @@ an odd header): ``redact`` masks the secret of anything shaped like a key and th
 every credential-named query parameter. ``JsonFormatter`` redacts each line it writes, and
 ``RedactFilter`` (installed on every handler, uvicorn's access log included, by
 ``redact_every_handler``) redacts a record's message before any other formatter sees it.
+
+Redaction runs on the event loop (uvicorn writes its access line there), so it must cost
+what the text's length does and no more: the patterns below cannot backtrack (possessive
+quantifiers, one pass), and what a caller controls is cut to ``MAX_LOGGED_CHARS`` before it
+is redacted (``[cut: N characters]`` marks the cut). A cut through a key keeps none of its
+secret: the cut comes first, and the redaction masks whatever part of a key or credential
+value is left.
 """
 
 import contextvars
@@ -25,12 +32,18 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # An API key is ``rs_<12 hex prefix>_<secret>``; the prefix names the key, the rest is secret.
-_API_KEY = re.compile(r"\brs_([0-9a-f]{12})_[A-Za-z0-9_-]+")
-# A query parameter whose name says it carries a credential (``api_key``, ``access_token``...).
-_CREDENTIAL_PARAMETER = re.compile(
-    r"([?&;][A-Za-z0-9_.-]*(?:key|token|secret|password|auth)[A-Za-z0-9_.-]*=)[^&;#\s'\"]*", re.IGNORECASE
-)
+_API_KEY = re.compile(r"\brs_([0-9a-f]{12})_[A-Za-z0-9_-]++")
+# A query parameter's name (up to its ``=``) and value. The quantifiers are possessive: a
+# name not followed by ``=`` fails at once instead of being re-scanned from every position
+# inside it (``?keykeykey...`` made the former single pattern quadratic: 48 KB held the
+# event loop for 8.5 s).
+_PARAMETER_NAME = re.compile(r"[?&;]([A-Za-z0-9_.-]*+)=")
+_PARAMETER_VALUE = re.compile(r"[^&;#\s'\"]*+")
+# A name that says its parameter carries a credential (``api_key``, ``access_token``...).
+_CREDENTIAL_NAME = re.compile(r"key|token|secret|password|auth", re.IGNORECASE)
 REDACTED = "[redacted]"
+# The longest message or argument a log line keeps (a 64 KB query string is cut to this).
+MAX_LOGGED_CHARS = 8192
 # An id from the caller is kept when it is a plain token; anything else is replaced.
 _ACCEPTABLE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # Attributes every LogRecord has; anything else on a record was passed as ``extra``.
@@ -41,13 +54,34 @@ request_logger = logging.getLogger("runstate.request")
 
 
 def redact(text: str) -> str:
-    """Return ``text`` with the secret of every API key and every credential in a query string masked."""
+    """Return ``text`` with the secret of every API key and every credential in a query string masked.
+
+    Linear in ``text``'s length whatever it holds.
+    """
     text = _API_KEY.sub(rf"rs_\1_{REDACTED}", text)
-    return _CREDENTIAL_PARAMETER.sub(rf"\1{REDACTED}", text)
+    kept: list[str] = []
+    position = 0  # everything before it is in ``kept``
+    for name in _PARAMETER_NAME.finditer(text):
+        # A match inside a value masked already (``?key=a?token=b``) is masked with it.
+        if name.start() < position or _CREDENTIAL_NAME.search(name[1]) is None:
+            continue
+        kept += (text[position : name.end()], REDACTED)
+        position = _PARAMETER_VALUE.match(text, name.end()).end()
+    if not kept:
+        return text
+    kept.append(text[position:])
+    return "".join(kept)
+
+
+def cut(text: str) -> str:
+    """Return ``text``, or its first ``MAX_LOGGED_CHARS`` characters and a marker if it is longer."""
+    if len(text) <= MAX_LOGGED_CHARS:
+        return text
+    return f"{text[:MAX_LOGGED_CHARS]} ...[cut: {len(text)} characters]"
 
 
 def _redact_value(value):
-    return redact(value) if isinstance(value, str) else value
+    return redact(cut(value)) if isinstance(value, str) else value
 
 
 class RedactFilter(logging.Filter):
@@ -59,7 +93,8 @@ class RedactFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
         if isinstance(record.msg, str):
-            record.msg = redact(record.msg)
+            # A format string is the code's, not a caller's: cutting it could orphan a ``%s``.
+            record.msg = redact(record.msg if record.args else cut(record.msg))
         if isinstance(record.args, tuple):
             record.args = tuple(_redact_value(arg) for arg in record.args)
         elif isinstance(record.args, dict):
@@ -104,18 +139,23 @@ class JsonFormatter(logging.Formatter):
             "time": written.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": cut(record.getMessage()),
         }
         request_id = getattr(record, "request_id", None) or request_id_var.get()
         if request_id:
             body["requestId"] = request_id
         for key, value in vars(record).items():
             if key not in _RECORD_FIELDS and not key.startswith("_"):
-                body[key] = value
+                body[key] = cut(value) if isinstance(value, str) else value
         if record.exc_info:
             body["exception"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
         # Extras such as Django's ``request`` render with their query string: redact the whole line.
-        return redact(json.dumps(body, default=str))
+        return redact(json.dumps(body, default=_rendered))
+
+
+def _rendered(value) -> str:
+    """Render an extra JSON cannot hold (Django's ``request``, with its query string) as cut text."""
+    return cut(str(value))
 
 
 def _route_of(request) -> str:

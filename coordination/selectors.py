@@ -176,7 +176,10 @@ def paginate_by_creation(queryset: QuerySet, *, cursor: str | None, limit: int) 
     """Page ``queryset`` oldest first by ``(created_at, id)``."""
     if cursor:
         created_raw, id_raw = _decode_cursor(cursor, 2)
-        created_at = parse_datetime(created_raw) if isinstance(created_raw, str) else None
+        try:
+            created_at = parse_datetime(created_raw) if isinstance(created_raw, str) else None
+        except ValueError:  # well-formed but impossible: a day 32, an offset of 99 hours
+            created_at = None
         if created_at is None:
             raise exceptions.ValidationFailed("Malformed cursor.", cursor="malformed")
         try:
@@ -237,6 +240,9 @@ def _below_event_horizon(queryset: QuerySet[Event]) -> QuerySet[Event]:
     return queryset.filter(txid__lt=RawSQL(EVENT_HORIZON_SQL, []))
 
 
+_BIGINT_MAX = 2**63 - 1
+
+
 def _parse_event_cursor(cursor: str | None) -> tuple[int, int]:
     if not cursor:
         return 0, 0
@@ -244,7 +250,8 @@ def _parse_event_cursor(cursor: str | None) -> tuple[int, int]:
         txid, event_id = (int(part) for part in cursor.split("-", 1))
     except ValueError:
         raise exceptions.ValidationFailed("Malformed cursor.", after="malformed") from None
-    if txid < 0 or event_id < 0:
+    # Both are compared with bigint columns: a larger number is no position, and the database would refuse it.
+    if not (0 <= txid <= _BIGINT_MAX and 0 <= event_id <= _BIGINT_MAX):
         raise exceptions.ValidationFailed("Malformed cursor.", after="malformed")
     return txid, event_id
 

@@ -14,7 +14,10 @@ Requests under ``/v1/`` go through a handler of their own (``ApiASGIHandler``):
   Asynchronous views take Django's path unchanged;
 - that thread is taken from a small pool of idle ones, rather than started for the request
   and ended with it;
-- the process caches of API keys and mailboxes are on (``coordination/process_cache.py``).
+- the process caches of API keys and mailboxes are on (``coordination/process_cache.py``);
+- a body is checked before it is read, and read no further than the limit
+  (``coordination/api/edge.py``): a declared size over the limit is a 413, a body to an
+  endpoint that needs a key is a 401 without a usable one, both before a byte of it is read.
 """
 
 import functools
@@ -27,9 +30,11 @@ from django.conf import settings
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core import signals
 from django.core.asgi import get_asgi_application
-from django.core.exceptions import RequestAborted
+from django.core.exceptions import RequestAborted, SuspiciousFileOperation
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
+from django.core.handlers.exception import response_for_exception
+from django.http import Http404
 from django.urls import URLResolver, get_resolver, set_script_prefix
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
@@ -92,12 +97,21 @@ class ApiASGIHandler(ASGIHandler):
         _load_api_middleware(self, is_async)
 
     async def handle(self, scope, receive, send):  # noqa: D102 - see the class
+        refusal = await edge.refusal(scope, needs_key=_needs_key(scope["path"]))
+        if refusal is not None:
+            return await self.send_response(refusal, send)
+        receive = edge.bounded(receive, edge.body_limit())
         if _view_is_async(scope["path"]):
-            return await super().handle(scope, receive, send)
+            try:
+                return await super().handle(scope, receive, send)
+            except edge.BodyTooLarge:  # raised while reading the body, before anything was sent
+                return await self.send_response(edge.too_large(), send)
         try:
             body_file = await self.read_body(receive)
         except RequestAborted:
             return
+        except edge.BodyTooLarge:
+            return await self.send_response(edge.too_large(), send)
         try:
             set_script_prefix(get_script_prefix(scope))
             response = await sync_to_async(self._respond, thread_sensitive=True)(scope, body_file)
@@ -126,6 +140,11 @@ def _view_is_async(path: str) -> bool:
     return _async_routes().match(path) is not None
 
 
+def _needs_key(path: str) -> bool:
+    """Tell whether the view at ``path`` authenticates with an API key (all but health, metrics, schema, docs)."""
+    return _keyed_routes().match(path) is not None
+
+
 def routes(resolver: URLResolver | None = None, prefix: str = "^/"):
     """Yield ``(full path regex, view)`` for every URL pattern of the project."""
     for pattern in (resolver or get_resolver()).url_patterns:
@@ -136,12 +155,40 @@ def routes(resolver: URLResolver | None = None, prefix: str = "^/"):
             yield regex, pattern.callback
 
 
+def _routes_of(views) -> re.Pattern:
+    """One pattern matching the paths of ``views`` (resolving each path costs more)."""
+    # Named groups would clash between alternatives; only whether one matches counts.
+    found = [re.sub(r"\(\?P<\w+>", "(?:", regex) for regex, view in routes() if view in views]
+    return re.compile("|".join(f"(?:{regex})" for regex in found) or r"(?!)")
+
+
 @functools.cache
 def _async_routes() -> re.Pattern:
-    """One pattern matching the paths of every ``async`` view (resolving each path costs more)."""
-    # Named groups would clash between alternatives; only whether one matches counts.
-    found = [re.sub(r"\(\?P<\w+>", "(?:", regex) for regex, view in routes() if iscoroutinefunction(view)]
-    return re.compile("|".join(f"(?:{regex})" for regex in found) or r"(?!)")
+    """One pattern matching the paths of every ``async`` view."""
+    return _routes_of({view for _, view in routes() if iscoroutinefunction(view)})
+
+
+@functools.cache
+def _keyed_routes() -> re.Pattern:
+    """One pattern matching the paths of every view that authenticates with an API key."""
+    from coordination.api.auth import ApiKeyAuthentication
+
+    def keyed(view) -> bool:
+        view_class = getattr(view, "cls", None)  # DRF's ``as_view`` keeps the class there
+        classes = getattr(view_class, "authentication_classes", None) or ()
+        return any(issubclass(each, ApiKeyAuthentication) for each in classes)
+
+    return _routes_of({view for _, view in routes() if keyed(view)})
+
+
+class StaticFilesHandler(ASGIStaticFilesHandler):
+    """Django's static files handler, answering a path outside the static files 404 (it was an unhandled error)."""
+
+    async def get_response_async(self, request):  # noqa: D102 - see the class
+        try:
+            return await super().get_response_async(request)
+        except SuspiciousFileOperation:  # ``/static/../../etc/passwd``: refused by the storage
+            return await sync_to_async(response_for_exception)(request, Http404("No such static file."))
 
 
 def _route(api, site):
@@ -156,6 +203,8 @@ def _route(api, site):
 
 
 site = get_asgi_application()  # sets Django up
+from coordination.api import edge  # noqa: E402 - its models need Django set up
+
 if settings.RUNSTATE_SERVE_STATIC:
-    site = ASGIStaticFilesHandler(site)
+    site = StaticFilesHandler(site)
 application = _route(ApiASGIHandler(), site)

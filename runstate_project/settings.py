@@ -329,6 +329,10 @@ RUNSTATE_ADMIN_LOGIN_LIMIT = os.environ.get("RUNSTATE_ADMIN_LOGIN_LIMIT", "5/15m
 # reaches every process through NOTIFY at once (coordination/process_cache.py); this bounds
 # how long an entry lives regardless.
 RUNSTATE_PROCESS_CACHE_S = float(os.environ.get("RUNSTATE_PROCESS_CACHE_S", "5"))
+# Long-polls and event streams one API key may hold open at once in one API process (0: no
+# cap): 429 RATE_LIMITED beyond (coordination/api/waits.py). tests/concurrency and bench/
+# hold at most 1,000 waits of one key in a process.
+RUNSTATE_MAX_WAITS_PER_KEY = int(os.environ.get("RUNSTATE_MAX_WAITS_PER_KEY", "1000"))
 # Seconds without events after which an event stream sends a keepalive comment.
 RUNSTATE_SSE_HEARTBEAT_S = float(os.environ.get("RUNSTATE_SSE_HEARTBEAT_S", "15"))
 # Recent events an API process keeps for its event streams; a stream that falls further behind is dropped.

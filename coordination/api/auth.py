@@ -17,6 +17,26 @@ from coordination.states import Permission
 LAST_USED_GRANULARITY_S = 60
 
 
+UNUSABLE_KEY = "Invalid, revoked or expired API key."
+AUTHENTICATE_HEADER = 'Bearer realm="runstate"'
+
+
+def bearer_key(header: bytes) -> str | None:
+    """Return the key of an ``Authorization: Bearer <key>`` value, or None for no value.
+
+    Raise ``AuthenticationFailed`` for a value of another shape.
+    """
+    parts = header.split()
+    if not parts:
+        return None
+    if parts[0].lower() != ApiKeyAuthentication.keyword.lower().encode() or len(parts) != 2:
+        raise AuthenticationFailed("Use 'Authorization: Bearer <key>'.")
+    try:
+        return parts[1].decode("ascii")
+    except UnicodeDecodeError:
+        raise AuthenticationFailed("Invalid API key.") from None
+
+
 @dataclass(frozen=True)
 class Principal:
     """The caller behind a request: one API key of one project."""
@@ -70,25 +90,19 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
     keyword = "Bearer"
 
     def authenticate(self, request):  # noqa: D102
-        header = authentication.get_authorization_header(request).split()
-        if not header:
+        plaintext = bearer_key(authentication.get_authorization_header(request))
+        if plaintext is None:
             return None
-        if header[0].lower() != self.keyword.lower().encode() or len(header) != 2:
-            raise AuthenticationFailed("Use 'Authorization: Bearer <key>'.")
-        try:
-            plaintext = header[1].decode("ascii")
-        except UnicodeDecodeError:
-            raise AuthenticationFailed("Invalid API key.") from None
         api_key = api_key_authenticate(plaintext)
         if api_key is None:
-            raise AuthenticationFailed("Invalid, revoked or expired API key.")
+            raise AuthenticationFailed(UNUSABLE_KEY)
         now = timezone.now()
         if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > LAST_USED_GRANULARITY_S:
             ApiKey.objects.filter(id=api_key.id).update(last_used_at=now)
         return Principal(api_key), api_key
 
     def authenticate_header(self, request):  # noqa: D102
-        return 'Bearer realm="runstate"'
+        return AUTHENTICATE_HEADER
 
 
 class HasKeyPermission(permissions.BasePermission):

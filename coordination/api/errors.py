@@ -50,14 +50,16 @@ def _flatten(detail, prefix: str = "") -> dict[str, str]:
     return {prefix or "non_field_errors": str(detail)}
 
 
+def body_too_large() -> dict:
+    """Return the error body of a request body over ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (answered with 413)."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return envelope("VALIDATION_ERROR", f"The request body is larger than {limit} bytes.", {"body": "too large"})
+
+
 def exception_handler(exc, context):
     """Map domain, DRF, Django and database errors to the envelope; roll back the request."""
     if isinstance(exc, RequestDataTooBig):
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        return Response(
-            envelope("VALIDATION_ERROR", f"The request body is larger than {limit} bytes.", {"body": "too large"}),
-            status=413,
-        )
+        return Response(body_too_large(), status=413)
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     if isinstance(exc, exceptions.CoordinationError):

@@ -50,7 +50,11 @@ def _error(description: str, *, retry_after: bool = False) -> dict:
 # (``with_errors`` in the views documents those): any keyed operation may give them.
 KEYED_ERRORS = {
     "406": _error("NOT_ACCEPTABLE: the Accept header excludes application/json"),
-    "429": _error("RATE_LIMITED: the key's requests for this window are spent", retry_after=True),
+    "429": _error(
+        "RATE_LIMITED: the key's requests for this window are spent (with Retry-After), or, for a "
+        "long-poll or the event stream, the key holds RUNSTATE_MAX_WAITS_PER_KEY waits in this process",
+        retry_after=True,
+    ),
     "503": _error("SERVICE_UNAVAILABLE: the database is unavailable", retry_after=True),
 }
 # Any operation that reads a JSON body may give these.

@@ -90,6 +90,28 @@ async def event_frames(
         hub.unsubscribe(waiter)
 
 
+def releasing(frames: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Return ``frames``, calling ``release`` once when the stream ends, however it ends.
+
+    Also when it never starts (the client gone before the first frame): then when it is
+    garbage collected.
+    """
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for piece in frames:
+                yield piece
+        finally:
+            try:
+                await frames.aclose()
+            finally:
+                release()
+
+    wrapped = stream()
+    weakref.finalize(wrapped, release)
+    return wrapped
+
+
 def event_stream_response(frames: AsyncIterator[bytes]) -> StreamingHttpResponse:
     """Wrap ``frames`` in an uncached ``text/event-stream`` response."""
     response = StreamingHttpResponse(frames, content_type="text/event-stream")

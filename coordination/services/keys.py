@@ -79,14 +79,21 @@ def api_key_create(
     return IssuedKey(api_key=api_key, plaintext=plaintext)
 
 
-def api_key_authenticate(plaintext: str) -> ApiKey | None:
-    """Return the usable key matching ``plaintext``, or None (unknown, revoked, expired)."""
+def api_key_authenticate(plaintext: str, *, cached_only: bool = False) -> ApiKey | None:
+    """Return the usable key matching ``plaintext``, or None (unknown, revoked, expired).
+
+    ``cached_only`` answers from this process's cache alone, without the database (None
+    when the key is not cached): the event loop may call it.
+    """
     parts = plaintext.split("_", 2)
     if len(parts) != 3 or parts[0] != "rs" or len(parts[1]) != KEY_PREFIX_LENGTH:
         return None
     digest = hash_key(plaintext)
     # Cached by the whole key's digest: a hit is a key whose secret matched when it was read.
-    api_key = process_cache.api_keys.load(digest, lambda: _matching_key(parts[1], digest))
+    if cached_only:
+        api_key = process_cache.api_keys.get(digest)
+    else:
+        api_key = process_cache.api_keys.load(digest, lambda: _matching_key(parts[1], digest))
     if api_key is None:
         return None
     if not api_key.is_usable(timezone.now()):

@@ -1,8 +1,11 @@
 """Hostile or malformed input answers a 4xx with an error code, never a 500."""
 
+import base64
+import json
 import re
 
 import pytest
+from asgiref.sync import async_to_sync
 
 pytestmark = pytest.mark.django_db
 
@@ -128,3 +131,42 @@ def test_hostile_values_in_every_path_parameter_are_4xx(api, anon):
             if not 400 <= response.status_code < 500:
                 failures.append((method, path, value[:12], response.status_code))
     assert not failures
+
+
+def page_cursor(created_at: str) -> str:
+    raw = json.dumps([created_at, "00000000-0000-0000-0000-000000000000"]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/runs?cursor=" + page_cursor("2020-01-01T00:00:00+99:00"),  # an offset of 99 hours: a 500 before
+        "/v1/runs?cursor=" + page_cursor("2020-13-01T00:00:00Z"),
+        "/v1/events?after=99999999999999999999-1",  # past bigint
+        "/v1/events?after=1-99999999999999999999",
+    ],
+)
+def test_a_crafted_cursor_is_a_validation_error(api, path):
+    response = api.get(path)
+    assert response.status_code == 400 and code(response) == "VALIDATION_ERROR", response.content
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_static_path_out_of_the_static_root_is_404():
+    """``/static/../../etc/passwd`` was refused by the storage, but unhandled: a 500."""
+    from asgiref.testing import ApplicationCommunicator
+
+    from runstate_project.asgi import application
+    from tests.operator.live import asgi_http_scope
+
+    async def status_of(path: str) -> int:
+        communicator = ApplicationCommunicator(application, asgi_http_scope(path))
+        await communicator.send_input({"type": "http.request", "body": b"", "more_body": False})
+        start = await communicator.receive_output(10)
+        await communicator.wait(10)
+        return start["status"]
+
+    for path in ("/static/../../etc/passwd", "/static/..%2f..%2fetc/passwd", "/static/admin/../../../settings.py"):
+        assert async_to_sync(status_of)(path) == 404, path
+    assert async_to_sync(status_of)("/static/admin/css/base.css") == 200

@@ -108,6 +108,9 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
 
         (master,) = [pid for pid in children(script.pid) if "uvicorn" in command_line(pid)]
         assert "--workers 2" in command_line(master)
+        # The limits against slow and greedy clients (docs/deploy.md).
+        for limit in ("--timeout-keep-alive 5", "--h11-max-incomplete-event-size 16384", "--limit-concurrency 2048"):
+            assert limit in command_line(master), command_line(master)
         # uvicorn's master starts its workers through multiprocessing (beside a resource tracker).
         deadline = time.monotonic() + START_S
         while True:

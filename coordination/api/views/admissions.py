@@ -58,6 +58,7 @@ class AdmissionCollectionView(AsyncApiView):
         line (the same ``key`` picks it up again). The parent cancelled meanwhile: its code.
         """
         data = self.body(a.AdmissionRequestIn)
+        self.hold_wait(data["waitMs"])
         project_id, visibility = self.project_id, self.visibility
 
         def ask():

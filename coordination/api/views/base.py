@@ -4,6 +4,7 @@ from adrf.views import APIView as AsyncAPIView
 from drf_spectacular.utils import OpenApiResponse
 from rest_framework.views import APIView
 
+from coordination.api import waits
 from coordination.api.bodies import plain_body
 from coordination.api.serializers import ErrorOut
 from coordination.selectors import Visibility
@@ -72,4 +73,29 @@ class AsyncApiView(AsyncAPIView, ApiView):
     Authentication and permission checks run before the handler (in a thread); the handler
     then calls services through ``coordination.api.longpoll.db``, which returns the
     connection after each call, so a waiting request holds no database connection.
+
+    A handler that waits calls ``hold_wait`` first, before it changes anything: the wait
+    counts against its key's ``RUNSTATE_MAX_WAITS_PER_KEY`` (``coordination/api/waits.py``)
+    until the view returns, however it returns.
     """
+
+    _wait: waits.Place | None = None
+
+    async def async_dispatch(self, request, *args, **kwargs):  # noqa: D102 - see the class
+        try:
+            return await super().async_dispatch(request, *args, **kwargs)
+        finally:  # an answer, an error, or the client gone (the task cancelled)
+            if self._wait is not None:
+                self._wait.release()
+
+    def hold_wait(self, wait_ms: int) -> None:
+        """Count this request against its key's waits if it may wait (``wait_ms`` above 0).
+
+        ``RATE_LIMITED`` beyond the cap.
+        """
+        if wait_ms > 0 and self._wait is None:
+            self._wait = waits.wait_take(api_key_id=self.request.user.api_key.id)
+
+    def hand_over_wait(self) -> waits.Place:
+        """Take a place for a wait that outlives the view (a stream): whoever ends the wait releases it."""
+        return waits.wait_take(api_key_id=self.request.user.api_key.id)

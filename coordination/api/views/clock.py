@@ -77,6 +77,7 @@ class BarrierWaitView(AsyncApiView):
     async def get(self, request, barrier_id):
         """Answer once released (409 ``BARRIER_CANCELLED`` if cancelled), or the view after ``timeoutMs``."""
         query = self.query(s.WaitQuery)
+        self.hold_wait(query["timeoutMs"])
         visibility = self.visibility
         ref = selectors.parse_id(barrier_id, what="Barrier")
 
@@ -130,6 +131,7 @@ class TimerWaitView(AsyncApiView):
     async def post(self, request, timer_id):
         """Answer once fired, acknowledged (idempotent); the armed timer after ``timeoutMs``."""
         query = self.query(s.WaitQuery)
+        self.hold_wait(query["timeoutMs"])
         visibility, project_id = self.visibility, self.project_id
         ref = selectors.parse_id(timer_id, what="Timer")
 

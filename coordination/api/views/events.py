@@ -26,6 +26,7 @@ class EventListView(AsyncApiView):
         With ``waitMs`` (max 30 s) and nothing to return yet, wait for the next event.
         """
         query = self.query(s.EventListQuery)
+        self.hold_wait(query["waitMs"])
         visibility = self.visibility
 
         def read():

@@ -66,6 +66,7 @@ class GroupWaitView(AsyncApiView):
     async def get(self, request, group_id):
         """Answer once the group is finalized, or with its current state after ``timeoutMs`` (max 30 s)."""
         query = self.query(s.WaitQuery)
+        self.hold_wait(query["timeoutMs"])
         visibility = self.visibility
         group_ref = selectors.parse_id(group_id, what="Group")
 

@@ -56,6 +56,7 @@ class DeliveryCollectionView(AsyncApiView):
     async def post(self, request, name):
         """Receive up to ``max`` messages of ``runId``; with ``waitMs``, wait up to that long (max 30 s) for one."""
         data = self.body(s.ReceiveIn)
+        self.hold_wait(data["waitMs"])
         project_id, visibility = self.project_id, self.visibility
 
         def lookup():

@@ -154,6 +154,7 @@ class PoolLeaseCollectionView(AsyncApiView):
         409 ``POOL_EXHAUSTED`` (``details: {capacity, inUse, waiting}``) when not granted in time.
         """
         data = self.body(PoolAcquireIn)
+        self.hold_wait(data["waitMs"])
         project_id, visibility = self.project_id, self.visibility
         wait_ms = s.clamp_wait_ms(data["waitMs"])
 

@@ -59,6 +59,7 @@ class QuotaTakeView(AsyncApiView):
         waiting.
         """
         data = self.body(ls.QuotaTakeIn)
+        self.hold_wait(data["waitMs"])
         project_id, visibility = self.project_id, self.visibility
         run = await in_request(selectors.run_ref, visibility, data["runId"])
         loop = asyncio.get_running_loop()

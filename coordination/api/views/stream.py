@@ -9,7 +9,7 @@ from coordination import selectors
 from coordination.api.longpoll import _close_connection, in_request
 from coordination.api.negotiation import FirstRenderer
 from coordination.api.presenters import present_event
-from coordination.api.sse import BATCH, event_stream_response, feed_frames
+from coordination.api.sse import BATCH, event_stream_response, feed_frames, releasing
 from coordination.api.views.base import ERRORS, AsyncApiView
 from coordination.states import Permission
 
@@ -71,6 +71,17 @@ class EventStreamView(AsyncApiView):
         """Stream events after ``Last-Event-ID`` / ``after`` (else new ones), filtered by ``types`` and ``runId``."""
         query = self.query(EventStreamQuery)
         visibility = self.visibility
+        # The stream outlives this view: the place is given back when the stream ends.
+        place = self.hand_over_wait()
+        try:
+            frames = await self.frames(request, query, visibility)
+        except BaseException:
+            place.release()
+            raise
+        return event_stream_response(releasing(frames, place.release))
+
+    async def frames(self, request, query, visibility):
+        """Return the stream's frames: check the cursor and the run now, stream from the shared feed."""
         after = request.headers.get("Last-Event-ID") or query.get("after") or None
         types = [t for t in (query.get("types") or "").split(",") if t]
         run_id = query.get("runId")
@@ -102,14 +113,12 @@ class EventStreamView(AsyncApiView):
                 and (run_path is None or event.run_path.startswith(run_path))
             )
 
-        return event_stream_response(
-            feed_frames(
-                project_id=project_id,
-                after=cursor,
-                catch_up=catch_up,
-                matches=matches,
-                present=present if bound_path is None else present_bound,
-            )
+        return feed_frames(
+            project_id=project_id,
+            after=cursor,
+            catch_up=catch_up,
+            matches=matches,
+            present=present if bound_path is None else present_bound,
         )
 
 

@@ -145,6 +145,7 @@ class TaskResultView(AsyncApiView):
     async def get(self, request, task_id):
         """Answer once the task is terminal, or with its current state after ``timeoutMs`` (max 30 s)."""
         query = self.query(s.WaitQuery)
+        self.hold_wait(query["timeoutMs"])
         visibility = self.visibility
         ref = selectors.parse_id(task_id, what="Task")
 
@@ -202,6 +203,7 @@ class ClaimCollectionView(AsyncApiView):
     async def post(self, request, name):
         """Claim up to ``max`` tasks of ``runId``; with ``waitMs``, wait up to that long (max 30 s) for one."""
         data = self.body(s.ClaimIn)
+        self.hold_wait(data["waitMs"])
         project_id, visibility = self.project_id, self.visibility
 
         def lookup():
