@@ -142,12 +142,15 @@ def force_order(first: Callable[[], object], second: Callable[[], object]) -> tu
         return execute(sql, params, many, context)
 
     def run_second():
-        if postgres:
-            pids["second"] = backend_pid()
-            results["second"] = second()
-        else:
-            with connection.execute_wrapper(flag_begin):
+        try:
+            if postgres:
+                pids["second"] = backend_pid()
                 results["second"] = second()
+            else:
+                with connection.execute_wrapper(flag_begin):
+                    results["second"] = second()
+        finally:
+            second_held_up.set()  # a second side that ended without contending must not hold up the first
 
     threads = [threading.Thread(target=run_closing(target, errors)) for target in (run_first, run_second)]
     try:
