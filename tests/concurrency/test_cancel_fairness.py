@@ -7,11 +7,10 @@ With it, a creator that arrives while a cancel waits queues behind the cancel an
 """
 
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 
 from coordination import exceptions
 from coordination.models import Run
@@ -24,11 +23,9 @@ from coordination.services.quotas import quota_put, quota_take
 from coordination.services.runs import run_cancel, run_complete, run_create
 from coordination.services.tasks import TaskSpec, task_submit, tasks_submit_many
 from coordination.states import RunState
-from tests.concurrency.util import race_a_cancel
+from tests.concurrency.util import GIVE_UP_S, backend_pid, race_a_cancel, run_closing, wait_until, waiting_on_a_lock
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
-
-GIVE_UP_S = 60
 
 
 @pytest.fixture(params=[True, False], ids=["fast", "careful"])
@@ -64,25 +61,6 @@ def runs_under_a_budget(project):
     mailbox, _ = mailbox_ensure(project_id=project.id, name="jobs", mode="WORK")
     tasks_submit_many(project_id=project.id, mailbox=mailbox, run_id=child.id, items=[TaskSpec(input={})] * 200)
     return root, child
-
-
-def backend_pid() -> int:
-    connection.ensure_connection()
-    return connection.connection.info.backend_pid
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    give_up = time.monotonic() + GIVE_UP_S
-    while not condition():
-        assert time.monotonic() < give_up, f"gave up waiting until {what}"
-        time.sleep(0.01)
-
-
-def waiting_on_a_lock(pid: int) -> bool:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
-        row = cursor.fetchone()
-    return row is not None and row[0] == "Lock"
 
 
 @pytest.mark.parametrize("kind", ["submit", "claim", "quota take", "pool acquire", "budget reservation", "child run"])
@@ -138,20 +116,6 @@ def test_a_creator_arriving_while_a_cancel_waits_queues_behind_it_and_is_refused
     assert isinstance(outcome["late"], expected)
     ended = RunState.CANCELLED if end is run_cancel else RunState.COMPLETED
     assert Run.objects.get(id=root.id).stored_state == ended
-
-
-def run_closing(target, errors):
-    """Run ``target`` on this thread's own connection, closed after; record what it raised in ``errors``."""
-
-    def wrapped():
-        try:
-            target()
-        except BaseException as exc:  # noqa: BLE001 - asserted by the test
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    return wrapped
 
 
 @pytest.mark.parametrize("kind", ["submit", "claim", "quota take", "budget reservation"])

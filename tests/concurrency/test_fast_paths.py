@@ -97,13 +97,18 @@ def test_complete_with_a_stale_attempt_is_lease_lost(world):
 
 
 def test_complete_races_a_run_cancel_exactly_one_wins(world):
+    """Under real races exactly one side wins, with its events, whichever order timing gives.
+
+    Which orders occur is left to the machine: ``test_task_races``'s
+    ``test_run_cancel_and_task_complete_forced_in_each_order[fast-*]`` forces each order.
+    """
     project, mailbox = world
     outcomes = {"completed": 0, "cancelled": 0}
     for round_ in range(60):
         run = run_create(project_id=project.id)
         task, _ = task_submit(project_id=project.id, mailbox=mailbox, run_id=run.id, input={"round": round_})
         (claim,) = task_claim(project_id=project.id, mailbox=mailbox, run_id=run.id)
-        # One side, chosen at random, waits a little: both orders happen.
+        # One side, chosen at random, waits a little: both orders are likely (not required).
         late = random.choice(["complete", "cancel"])
         head_start = random.random() * 0.015
 
@@ -134,7 +139,6 @@ def test_complete_races_a_run_cancel_exactly_one_wins(world):
             assert events == ["task.submitted", "task.claimed", "task.cancelled"]
     print("complete vs cancel outcomes:", outcomes)
     assert sum(outcomes.values()) == 60
-    assert outcomes["completed"] and outcomes["cancelled"], "only one order was seen"
 
 
 def test_complete_many_mixes_valid_stale_and_foreign_claims(world):

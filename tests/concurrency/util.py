@@ -1,12 +1,14 @@
-"""Run a function in real threads, each with its own database connection."""
+"""Run a function in real threads, each with its own database connection; force a race's order."""
 
 import threading
 import time
 from collections.abc import Callable
 
-from django.db import connection
+from django.db import connection, transaction
 
 from coordination import exceptions
+
+GIVE_UP_S = 60
 
 
 def run_in_threads(targets, *, timeout=120):
@@ -69,3 +71,107 @@ def race_a_cancel(cancel: Callable[[], object], create: Callable[[], object], *,
     attempts = [attempt for per_thread in results[1:] for attempt in per_thread]
     assert [started for started, granted in attempts if granted and started > cancelled_at[0]] == []
     assert all(per_thread and not per_thread[-1][1] for per_thread in results[1:])
+
+
+def backend_pid() -> int:
+    """The PostgreSQL backend process id of this thread's connection."""
+    connection.ensure_connection()
+    return connection.connection.info.backend_pid
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` every 10 ms; fail naming ``what`` if it is still false after ``GIVE_UP_S``."""
+    give_up = time.monotonic() + GIVE_UP_S
+    while not condition():
+        assert time.monotonic() < give_up, f"gave up waiting until {what}"
+        time.sleep(0.01)
+
+
+def waiting_on_a_lock(pid: int) -> bool:
+    """Whether the PostgreSQL backend ``pid`` waits on a lock now (``pg_stat_activity``)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
+        row = cursor.fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def run_closing(target, errors):
+    """Run ``target`` on this thread's own connection, closed after; record what it raised in ``errors``."""
+
+    def wrapped():
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    return wrapped
+
+
+def force_order(first: Callable[[], object], second: Callable[[], object]) -> tuple[object, object]:
+    """Race ``first`` and ``second`` so that ``first`` commits first while ``second`` contends for its locks.
+
+    ``first`` runs in a transaction that stays open until ``second`` is held up by it, then
+    commits; ``second`` then goes on and must see what ``first`` wrote. Held up means:
+
+    - PostgreSQL: ``second``'s backend waits on a lock (``pg_stat_activity`` shows
+      ``wait_event_type = 'Lock'``), so ``second`` takes the path of the side that lost the race
+      for a row, not of one that simply came later. If ``second`` finishes without waiting, the
+      two did not contend, and this fails.
+    - SQLite: ``second`` is about to begin its transaction. With ``transaction_mode``
+      ``IMMEDIATE`` (the settings) that ``BEGIN`` waits for ``first``'s commit to take the
+      database's write lock, so ``second`` reads nothing inside its transaction before that
+      commit whether it waited a moment or not: SQLite has no other order to force.
+
+    Return ``(first's result, second's result)``; re-raise the first exception either raised.
+    """
+    postgres = connection.vendor == "postgresql"
+    holding, second_held_up = threading.Event(), threading.Event()
+    pids, results, errors = {}, {}, []
+
+    def run_first():
+        with transaction.atomic():
+            results["first"] = first()
+            holding.set()
+            assert second_held_up.wait(GIVE_UP_S), "the second side never contended"
+
+    def flag_begin(execute, sql, params, many, context):
+        if sql.lstrip().upper().startswith("BEGIN"):
+            second_held_up.set()
+        return execute(sql, params, many, context)
+
+    def run_second():
+        try:
+            if postgres:
+                pids["second"] = backend_pid()
+                results["second"] = second()
+            else:
+                with connection.execute_wrapper(flag_begin):
+                    results["second"] = second()
+        finally:
+            second_held_up.set()  # a second side that ended without contending must not hold up the first
+
+    threads = [threading.Thread(target=run_closing(target, errors)) for target in (run_first, run_second)]
+    try:
+        threads[0].start()
+        wait_until(lambda: holding.is_set() or errors, "the first side holds its locks")
+        assert not errors, errors
+        threads[1].start()
+        if postgres:
+            wait_until(
+                lambda: "second" in results or errors or ("second" in pids and waiting_on_a_lock(pids["second"])),
+                "the second side waits on a lock",
+            )
+            assert "second" not in results, "the second side finished without waiting for the first"
+            assert not errors, errors
+            second_held_up.set()
+    finally:
+        second_held_up.set()
+        for thread in threads:
+            if thread.ident is not None:  # started
+                thread.join(GIVE_UP_S)
+    assert not any(thread.is_alive() for thread in threads), "a side did not finish in time"
+    if errors:
+        raise errors[0]
+    return results["first"], results["second"]

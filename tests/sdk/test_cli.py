@@ -16,6 +16,9 @@ import pytest
 from runstate import Runstate, cli
 from tests.sdk.conftest import ROOT
 
+# No server and no database: the command and its configuration errors (a second run proves nothing more).
+pytestmark = pytest.mark.single_backend
+
 # The console script ``pip install -e .`` puts next to the interpreter (requirements.txt).
 SCRIPT = Path(sys.executable).parent / "runstate"
 

@@ -7,6 +7,11 @@ server the Python SDK tests use, with ``RUNSTATE_URL`` / ``RUNSTATE_API_KEY`` in
 environment, a key bound to a run for the subtree test, and the reference documents' folder
 (``../shared/seeds`` beside the checkout) from which it extracts the TypeScript blocks.
 Node >= 20 is required: without it these tests fail with a message saying so (never skip).
+
+``single_backend`` (``scripts/test`` runs them in its PostgreSQL run only): the type check
+touches no database, and the node suite drives the SDK over HTTP, whose server paths the
+rest of the suite runs on both databases (tests/api, tests/concurrency); the seed's timer
+alone waits its 300 s as written, which a second run would only repeat.
 """
 
 import hashlib
@@ -22,7 +27,7 @@ from coordination.services.keys import ALL_PERMISSIONS
 from runstate import Runstate
 from tests.sdk.conftest import ROOT
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.single_backend]
 
 PACKAGE = ROOT / "sdk" / "typescript"
 SEED_DIR = Path(os.environ.get("RUNSTATE_SEED_DIR") or ROOT.parent / "shared" / "seeds")
