@@ -41,6 +41,28 @@ def secret_of(plaintext: str) -> str:
     return plaintext.split("_", 2)[2]
 
 
+def err(response, status_code, code):
+    """Assert an error answer's status and code; return its ``error`` object."""
+    assert response.status_code == status_code, response.content
+    assert response.json()["error"]["code"] == code, response.json()
+    return response.json()["error"]
+
+
+def project_settings(project_id):
+    """The project-wide settings a bound key could reach, and how many runs and groups there are."""
+    from coordination.models import Mailbox, Pool, Quota, Run, TaskGroup
+
+    return {
+        "mailboxes": sorted(
+            Mailbox.objects.filter(project_id=project_id).values_list("name", "mode", "lease_ttl_ms", "max_attempts")
+        ),
+        "pools": sorted(Pool.objects.filter(project_id=project_id).values_list("name", "capacity")),
+        "quotas": sorted(Quota.objects.filter(project_id=project_id).values_list("name", "limit", "period_ms")),
+        "runs": Run.objects.filter(project_id=project_id).count(),
+        "groups": TaskGroup.objects.filter(project_id=project_id).count(),
+    }
+
+
 def make_client(project, permissions=ALL_PERMISSIONS, **kwargs):
     """Return an APIClient authenticated with a fresh key of ``project``."""
     issued = api_key_create(project_id=project.id, permissions=list(permissions), **kwargs)

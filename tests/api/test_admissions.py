@@ -9,16 +9,10 @@ from django.db import connection
 
 from coordination.models import Admission, AdmissionConfig, Event, Run
 from coordination.services.runs import runs_sweep_deadlines
-from tests.conftest import make_client
+from tests.conftest import err, make_client
 
 # Long-polls read through other connections: the data must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 def later(delay_s, fn):

@@ -8,20 +8,14 @@ project's use) is refused.
 
 import pytest
 
-from coordination.models import Mailbox, Pool, PoolLease, Quota
+from coordination.models import PoolLease
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.quotas import quota_put
 from coordination.services.runs import run_create
-from tests.conftest import make_client
+from tests.conftest import err, make_client, project_settings
 
 pytestmark = pytest.mark.django_db
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 @pytest.fixture
@@ -34,22 +28,11 @@ def tree(project):
     return {"job": job, "mine": mine, "theirs": theirs, "below": below, "bound": make_client(project, run_id=mine.id)}
 
 
-def config_rows(project_id):
-    """Every project-wide setting a bound key could reach: mailboxes, pools, quotas."""
-    return {
-        "mailboxes": sorted(
-            Mailbox.objects.filter(project_id=project_id).values_list("name", "mode", "lease_ttl_ms", "max_attempts")
-        ),
-        "pools": sorted(Pool.objects.filter(project_id=project_id).values_list("name", "capacity")),
-        "quotas": sorted(Quota.objects.filter(project_id=project_id).values_list("name", "limit", "period_ms")),
-    }
-
-
 def test_a_bound_key_cannot_configure_project_wide_limits_or_mailboxes(project, tree):
     mailbox_ensure(project_id=project.id, name="jobs", mode="WORK", lease_ttl_ms=30_000, max_attempts=5)
     pool_put(project_id=project.id, name="gpu", capacity=4)
     quota_put(project_id=project.id, name="openai", limit=600, period_ms=60_000)
-    before = config_rows(project.id)
+    before = project_settings(project.id)
     bound = tree["bound"]
     for path, body in [
         # The attack of the issue: shrink what every sibling run shares.
@@ -65,7 +48,7 @@ def test_a_bound_key_cannot_configure_project_wide_limits_or_mailboxes(project, 
     ]:
         error = err(bound.put(path, body, format="json"), 403, "PERMISSION_DENIED")
         assert "bound to a run" in error["message"], error
-    assert config_rows(project.id) == before, "a refused configuration changed a project-wide setting"
+    assert project_settings(project.id) == before, "a refused configuration changed a project-wide setting"
 
 
 def test_a_bound_key_is_refused_before_its_body_is_validated(tree):

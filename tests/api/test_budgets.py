@@ -8,15 +8,9 @@ from django.utils import timezone
 
 from coordination.models import Budget, BudgetReservation, Event
 from coordination.services.budgets import reservations_expire_due
-from tests.conftest import make_client
+from tests.conftest import err, make_client
 
 pytestmark = pytest.mark.django_db
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 @pytest.fixture

@@ -7,14 +7,9 @@ import pytest
 from coordination.models import Event, Run, Task, TaskGroup
 from coordination.services.claims import claim_complete, claim_fail, task_claim
 from coordination.services.groups import groups_finalize_due
+from tests.conftest import err
 
 pytestmark = pytest.mark.django_db
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 class Swarm:

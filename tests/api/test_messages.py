@@ -18,15 +18,9 @@ from coordination.services.messages import (
     messages_dead_letter_exhausted,
 )
 from coordination.services.runs import run_cancel
-from tests.conftest import make_client
+from tests.conftest import err, make_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 def new_run(api, parent=None):

@@ -11,16 +11,10 @@ from django.utils import timezone
 from coordination.models import Event, Pool, PoolLease
 from coordination.services.pools import pool_acquire, pool_lease_release, pool_put, pools_settle_due
 from coordination.services.runs import run_cancel, run_create
-from tests.conftest import make_client
+from tests.conftest import err, make_client
 
 # Long-polls read through other connections: the data must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 def later(delay_s, fn):

@@ -10,16 +10,10 @@ from django.db import connection
 from coordination.models import Event, Quota
 from coordination.models.limits import MICRO
 from coordination.services import quotas as quota_services
-from tests.conftest import make_client
+from tests.conftest import err, make_client
 
 # Waiting takes read through other connections: the data must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 @pytest.fixture

@@ -6,15 +6,9 @@ import pytest
 
 from coordination.models import Event, Task
 from coordination.services.sweeps import tasks_expire_queued
-from tests.conftest import make_client
+from tests.conftest import err, make_client
 
 pytestmark = pytest.mark.django_db
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 @pytest.fixture

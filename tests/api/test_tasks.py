@@ -6,14 +6,9 @@ import pytest
 
 from coordination.models import Event, Task
 from coordination.services.sweeps import tasks_expire_queued, tasks_settle_expired_leases
+from tests.conftest import err
 
 pytestmark = pytest.mark.django_db
-
-
-def err(response, status_code, code):
-    assert response.status_code == status_code, response.content
-    assert response.json()["error"]["code"] == code, response.json()
-    return response.json()["error"]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ of the key's own subtree. A new endpoint fails that column too until it is liste
 
 import pytest
 
-from coordination.models import Barrier, Mailbox, Message, Pool, Quota, Run, Task, TaskGroup, Timer
+from coordination.models import Barrier, Mailbox, Message, Run, Task, TaskGroup, Timer
 from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.budgets import budget_create, reservation_create
@@ -24,7 +24,7 @@ from coordination.services.quotas import quota_put
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
-from tests.conftest import make_client
+from tests.conftest import make_client, project_settings
 
 pytestmark = pytest.mark.django_db
 
@@ -269,19 +269,6 @@ NOT_CALLED_INSIDE = {
 }
 
 
-def config_rows(project_id):
-    """The project-wide settings: mailboxes, pools, quotas."""
-    return {
-        "mailboxes": sorted(
-            Mailbox.objects.filter(project_id=project_id).values_list("name", "mode", "lease_ttl_ms", "max_attempts")
-        ),
-        "pools": sorted(Pool.objects.filter(project_id=project_id).values_list("name", "capacity")),
-        "quotas": sorted(Quota.objects.filter(project_id=project_id).values_list("name", "limit", "period_ms")),
-        "runs": Run.objects.filter(project_id=project_id).count(),
-        "groups": TaskGroup.objects.filter(project_id=project_id).count(),
-    }
-
-
 def call(client, method, path, body):
     return getattr(client, method)(path, body, format="json") if body is not None else client.get(path)
 
@@ -320,7 +307,7 @@ def test_a_key_bound_to_a_run_keeps_to_its_subtree(api, project):
     )
     assert covered == schema_operations(api), "the bound-key column of the isolation matrix is out of date"
 
-    before, settings_before = snapshot(pid), config_rows(pid)
+    before, settings_before = snapshot(pid), project_settings(pid)
     for operation, method, path, body in outside_cases:
         response = call(bound, method, path, body)
         assert response.status_code == 404, (operation, response.status_code, response.content[:300])
@@ -331,7 +318,7 @@ def test_a_key_bound_to_a_run_keeps_to_its_subtree(api, project):
         assert response.status_code == 403, (operation, response.status_code, response.content[:300])
         assert response.json()["error"]["code"] == "PERMISSION_DENIED", operation
     assert snapshot(pid) == before, "a refused call changed an object"
-    assert config_rows(pid) == settings_before, "a refused call changed a project-wide setting"
+    assert project_settings(pid) == settings_before, "a refused call changed a project-wide setting"
     assert Task.objects.get(id=outside["task"]).state == "RUNNING", "a claim outside the bound key's subtree changed"
 
     # The open reads: a mailbox's settings; a pool's use counted in the subtree only.
