@@ -6,10 +6,11 @@ before the statement locks or changes any row. Nothing in the SQL forces that: i
 planner's choice, made from the statistics. So each statement is explained here on a database
 with realistic row counts and fresh statistics, its text and parameters taken from the very
 call the service makes (a wrapper intercepts the statement, explains it instead of running
-it, and stops the call: nothing is locked or changed), both as planned for its parameters
-(a custom plan) and as planned once for any parameters (the generic plan a prepared
-statement switches to; settings prepare the hot statements). See ``assert_gate_first`` for
-the rule, and ``CASES`` for the statements and the index each must scan.
+it, and stops the call; what the call ran before it is rolled back with the test), both as
+planned for its parameters (a custom plan) and as planned once for any parameters (the
+generic plan a prepared statement may switch to; settings prepare the hot statements). See
+``assert_gate_first`` for the rule, and ``CASES`` for the statements and the index each must
+scan.
 """
 
 import random
