@@ -473,8 +473,8 @@ def assert_gate_first(plan: list) -> None:
     for node in lockers:
         sources = _row_sources(node)
         assert sources and all(shape.gated(source) for source in sources), (
-            f"{node['Node Type']} {node.get('Operation', '')} {node.get('Relation Name', '')} "
-            "can receive rows before the fair gate has run"
+            " ".join(filter(None, [node["Node Type"], node.get("Operation"), node.get("Relation Name")]))
+            + " can receive rows before the fair gate has run"
         )
 
 
