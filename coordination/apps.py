@@ -15,7 +15,8 @@ class CoordinationConfig(AppConfig):
 
         Also: a process that saves or deletes an API key or a mailbox forgets its cached copy
         at once (``coordination.process_cache``), and runstate's deployment checks are
-        registered (``coordination.checks``).
+        registered (``coordination.checks``), and so is every step of the subtree cascade
+        (``coordination.services.cascade``).
         """
         from django.db.models.signals import post_delete, post_save
 
@@ -31,6 +32,21 @@ class CoordinationConfig(AppConfig):
             post_delete.connect(
                 process_cache.forget_row, sender=model, dispatch_uid=f"process_cache.{model.__name__}.delete"
             )
+
+        # The aggregates register their cascade steps as they load (services.cascade imports
+        # none of them); load them all now, so that a step missing is a start-up error.
+        from coordination.services import (  # noqa: F401 - each aggregate registers its steps
+            admissions,
+            barriers,
+            cascade,
+            groups,
+            messages,
+            pools,
+            tasks,
+            timers,
+        )
+
+        cascade.cascade_steps()
 
         # Logging is configured by now (uvicorn's before it imported the app, Django's at setup).
         redact_every_handler()

@@ -22,6 +22,16 @@ class WorkersConfig(AppConfig):
     verbose_name = "Workers"
 
     def ready(self) -> None:
-        """Import the decorated task modules, so API processes know which mailboxes are bound to Celery."""
+        """Register Celery as the services' waker; import the decorated task modules.
+
+        The services send wake-ups through ``coordination.services.dispatch`` alone, which
+        knows this app only by the registration made here (the domain imports no worker
+        module). The task modules are imported so API processes know which mailboxes are
+        bound to Celery.
+        """
+        from coordination.services import dispatch
+        from workers import dispatch as celery_dispatch
+
+        dispatch.waker_register(celery_dispatch)
         for module in task_modules():
             importlib.import_module(module)

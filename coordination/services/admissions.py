@@ -20,9 +20,10 @@ from coordination import exceptions
 from coordination.ids import path_ids
 from coordination.models import Admission, AdmissionConfig, Event, Run
 from coordination.models.runs import MAX_DEPTH
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import event_row, events_record_many
 from coordination.services.locking import LockMode, chain_refusal, run_chain_lock
+from coordination.services.runs import run_create
 from coordination.states import AdmissionState
 
 MAX_ACTIVE = 1_000_000
@@ -88,8 +89,6 @@ def _has_room(config: AdmissionConfig) -> bool:
 
 def _create_child(admission: Admission, now: datetime) -> None:
     """Create the admission's child run and mark it admitted (the config row is locked)."""
-    from coordination.services.runs import run_create  # runs imports the cascade, which imports us
-
     run = run_create(
         project_id=admission.project_id, parent_id=admission.parent_id, name=admission.name, deadline=admission.deadline
     )
@@ -315,6 +314,7 @@ def admission_position(admission: Admission) -> int | None:
 # The end of a run (cancel, complete, deadline sweep) -------------------------------------
 
 
+@cascade_step
 def admissions_end_subtree(end: SubtreeEnd) -> None:
     """Free the slot of an admitted run that ends, and close the lines of runs that end.
 

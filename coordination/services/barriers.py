@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Barrier, BarrierArrival, Event, Run
-from coordination.services.cascade import SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.states import BarrierState
@@ -112,6 +112,7 @@ def barrier_next_epoch(*, project_id: uuid.UUID, barrier_id: uuid.UUID) -> Barri
     return barrier
 
 
+@cascade_step
 def barriers_cancel_subtree(end: SubtreeEnd) -> None:
     """Cancel the subtree's waiting barriers (released ones keep their state)."""
     if connection.vendor == "postgresql":  # one statement, see subtree_rows_end

@@ -1,9 +1,9 @@
 """The end of a run's subtree: what a cancel or complete does below the run, in one place.
 
 ``run_cancel`` and ``run_complete`` call ``subtree_end`` inside their own transaction after
-locking the run ``FOR UPDATE``. Each feature adds its step to ``cascade_steps`` in the house
-lock order (groups before tasks before barriers and timers), so the whole effect stays one
-transaction as features arrive.
+locking the run ``FOR UPDATE``. Each feature registers its step with ``@cascade_step`` and
+``CASCADE_ORDER`` gives it its place in the house lock order (groups before tasks before
+barriers and timers), so the whole effect stays one transaction as features arrive.
 """
 
 from collections.abc import Callable, Iterable
@@ -48,31 +48,50 @@ class SubtreeEnd:
 
 CascadeStep = Callable[[SubtreeEnd], None]
 
+# The steps, by name, in house lock order: groups, then tasks, then barriers and timers. Each
+# step lives with its aggregate and registers itself there (``@cascade_step``), so this
+# module imports no aggregate and every aggregate may import it; the order stays here, in
+# one place, because the steps lock rows and only one order avoids deadlocks.
+CASCADE_ORDER: tuple[str, ...] = (
+    "groups_end_subtree",  # finalize groups gated in the subtree; lock groups of members in it
+    "tasks_cancel_subtree",
+    "groups_reevaluate_after_subtree_end",  # members elsewhere' groups may now be decided
+    "messages_cancel_subtree",
+    "barriers_cancel_subtree",
+    "timers_cancel_subtree",
+    "pools_cancel_subtree",  # answer the subtree's pool waiters; held leases stay held
+    "admissions_end_subtree",  # after the work: frees the run's slot, may create a sibling run
+)
+
+_registered: dict[str, CascadeStep] = {}
+
+
+def cascade_step(step: CascadeStep) -> CascadeStep:
+    """Register ``step`` (a function named in ``CASCADE_ORDER``) as a step of every subtree end; return it.
+
+    A decorator for the aggregates' step functions. A name missing from ``CASCADE_ORDER``
+    raises: a new step must be given its place in the lock order, not run in import order.
+    """
+    name = step.__name__
+    if name not in CASCADE_ORDER:
+        raise ValueError(f"{name} is not a cascade step: give it its place in CASCADE_ORDER (cascade.py)")
+    registered = _registered.get(name)
+    if registered is not None and registered.__module__ != step.__module__:
+        raise ValueError(f"{name} is registered by {registered.__module__} already")
+    _registered[name] = step
+    return step
+
 
 def cascade_steps() -> tuple[CascadeStep, ...]:
-    """Return the steps in house lock order (groups, then tasks, then barriers and timers).
+    """Return the registered steps in ``CASCADE_ORDER``; raise when one has not registered.
 
-    Each step lives with its aggregate; importing here, not at module level, keeps the
-    aggregates free to import this module.
+    The aggregates register as they are imported: ``CoordinationConfig.ready`` imports them
+    all, so a missing step is a start-up error, never a cascade that silently skips a table.
     """
-    from coordination.services.admissions import admissions_end_subtree
-    from coordination.services.barriers import barriers_cancel_subtree
-    from coordination.services.groups import groups_end_subtree, groups_reevaluate_after_subtree_end
-    from coordination.services.messages import messages_cancel_subtree
-    from coordination.services.pools import pools_cancel_subtree
-    from coordination.services.tasks import tasks_cancel_subtree
-    from coordination.services.timers import timers_cancel_subtree
-
-    return (
-        groups_end_subtree,  # finalize groups gated in the subtree; lock groups of members in it
-        tasks_cancel_subtree,
-        groups_reevaluate_after_subtree_end,  # members elsewhere' groups may now be decided
-        messages_cancel_subtree,
-        barriers_cancel_subtree,
-        timers_cancel_subtree,
-        pools_cancel_subtree,  # answer the subtree's pool waiters; held leases stay held
-        admissions_end_subtree,  # after the work: frees the run's slot, may create a sibling run
-    )
+    missing = [name for name in CASCADE_ORDER if name not in _registered]
+    if missing:
+        raise RuntimeError(f"cascade steps not registered (their modules not imported): {', '.join(missing)}")
+    return tuple(_registered[name] for name in CASCADE_ORDER)
 
 
 def subtree_end(end: SubtreeEnd) -> None:

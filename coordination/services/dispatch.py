@@ -1,17 +1,55 @@
 """The one seam between the services and Celery: wake-up messages, sent only after commit.
 
-Services call these; only this module imports ``workers.dispatch`` (lazily, so the domain
-does not load Celery until a wake-up is due). The database stays the truth: a lost message
-costs lateness, never correctness, since the periodic sweeps act on everything due.
+Services call these; the Celery side is whatever the workers app registers at start-up
+(``workers.apps.WorkersConfig.ready`` calls ``waker_register``), so the domain imports no
+worker module. Without a registration (the workers app not installed) nothing is sent and
+no input is checked against a decorated task: the periodic sweeps act on everything due, as
+they do when the broker is unreachable. The database stays the truth: a lost message costs
+lateness, never correctness.
 """
 
 import functools
 import threading
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import datetime
+from typing import Any, Protocol
 
 from django.db import transaction
+
+
+class Waker(Protocol):
+    """What the workers app provides to send wake-ups (``workers.dispatch`` is one)."""
+
+    def accept_submitted(self, task: Any, mailbox: Any) -> Callable[..., None] | None:
+        """Validate a new task of a bound mailbox; return the wake-up to send once committed, None if unbound."""
+
+    def send_work_batch(self, wakes: list) -> None:
+        """Send a batch of ``accept_submitted``'s wake-ups in one go."""
+
+    def dispatch_requeued_on_commit(self, task: Any) -> None:
+        """Wake a worker after commit for a task that went back to ``QUEUED``."""
+
+    def dispatch_timer(self, timer_id: uuid.UUID, fire_at: datetime) -> None:
+        """Ask a worker to fire a timer at its due time."""
+
+    def dispatch_run_deadline(self, run_id: uuid.UUID, deadline: datetime) -> None:
+        """Ask a worker to sweep a run's subtree at its deadline."""
+
+
+_waker: Waker | None = None
+
+
+def waker_register(waker: Waker | None) -> None:
+    """Send every wake-up through ``waker`` from now on (None: send none); the workers app calls it at start-up."""
+    global _waker
+    _waker = waker
+
+
+def waker() -> Waker | None:
+    """Return the registered waker, None when no workers app registered one."""
+    return _waker
 
 
 def work_submitted(task, mailbox) -> None:
@@ -30,9 +68,9 @@ def work_accept(task, mailbox):
     For single-statement inserts that run outside ``transaction.atomic()``, where
     ``on_commit`` would fire before the statement: call the returned callable (if any) after it.
     """
-    from workers.dispatch import accept_submitted
-
-    return accept_submitted(task, mailbox)
+    if _waker is None:
+        return None
+    return _waker.accept_submitted(task, mailbox)
 
 
 _batch = threading.local()
@@ -74,28 +112,25 @@ def work_accepted_on_commit(wakes: list) -> None:
 def _send_wakes(wakes: list) -> None:
     if len(wakes) == 1:
         wakes[0]()
-    elif wakes:
-        from workers.dispatch import send_work_batch
-
-        send_work_batch(wakes)
+    elif wakes and _waker is not None:
+        _waker.send_work_batch(wakes)
 
 
 def work_requeued(task) -> None:
     """Wake a Celery worker after commit for a task that went back to ``QUEUED`` in a bound mailbox."""
-    from workers.dispatch import dispatch_requeued_on_commit
-
-    dispatch_requeued_on_commit(task)
+    if _waker is not None:
+        _waker.dispatch_requeued_on_commit(task)
 
 
 def timer_due(timer_id: uuid.UUID, fire_at: datetime) -> None:
     """Ask a worker, after commit, to fire the timer at its due time."""
-    from workers.dispatch import dispatch_timer
-
-    transaction.on_commit(lambda: dispatch_timer(timer_id, fire_at))
+    if _waker is not None:
+        sender = _waker
+        transaction.on_commit(lambda: sender.dispatch_timer(timer_id, fire_at))
 
 
 def run_deadline_due(run_id: uuid.UUID, deadline: datetime) -> None:
     """Ask a worker, after commit, to sweep the run's subtree at its deadline."""
-    from workers.dispatch import dispatch_run_deadline
-
-    transaction.on_commit(lambda: dispatch_run_deadline(run_id, deadline))
+    if _waker is not None:
+        sender = _waker
+        transaction.on_commit(lambda: sender.dispatch_run_deadline(run_id, deadline))

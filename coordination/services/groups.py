@@ -18,7 +18,7 @@ from coordination.group_rules import MemberFacts, decide
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
 from coordination.services import sql
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import EVENT_COLUMNS, TXID_SQL, event_row, events_record_many
 from coordination.services.locking import LockMode, chain_refusal, fair_gate_sql, run_ancestors_lock, run_chain_lock
 from coordination.services.retry import GroupDue, retrying
@@ -336,7 +336,7 @@ def group_submit(
             return existing, False, group
     now = timezone.now()
     if _is_due(locked, now):
-        raise GroupDue(group.id)
+        raise GroupDue(group.id, finalize=group_finalize_if_due)
     if group.state != GroupState.OPEN:
         raise exceptions.GroupClosed(groupId=str(group.id), state=group.state)
     if group.member_count >= MAX_MEMBERS:
@@ -375,7 +375,7 @@ def group_join(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID
         raise exceptions.InvalidState("The task is in another group.", taskId=str(task.id))
     now = timezone.now()
     if _is_due(locked, now):
-        raise GroupDue(group.id)
+        raise GroupDue(group.id, finalize=group_finalize_if_due)
     if group.state != GroupState.OPEN:
         raise exceptions.GroupClosed(groupId=str(group.id), state=group.state)
     if group.member_count >= MAX_MEMBERS:
@@ -401,7 +401,7 @@ def group_close(*, project_id: uuid.UUID, group_id: uuid.UUID, seal: bool = Fals
     group = locked.group
     now = timezone.now()
     if _is_due(locked, now):
-        raise GroupDue(group.id)
+        raise GroupDue(group.id, finalize=group_finalize_if_due)
     if group.state == GroupState.FINALIZED:
         if seal:
             raise exceptions.GroupFinalized(groupId=str(group.id), outcome=group.outcome)
@@ -572,6 +572,7 @@ def groups_finalize_due(*, now: datetime | None = None, batch_size: int = 100) -
 # Run cascade -----------------------------------------------------------------------------
 
 
+@cascade_step
 def groups_end_subtree(end: SubtreeEnd) -> None:
     """Finalize groups gated in the subtree (``FAILURE``/``cancelled``); lock groups of members in it.
 
@@ -597,6 +598,7 @@ def groups_end_subtree(end: SubtreeEnd) -> None:
     end.memo["member_groups"] = [group_lock(group_id=group_id) for group_id in member_groups]
 
 
+@cascade_step
 def groups_reevaluate_after_subtree_end(end: SubtreeEnd) -> None:
     """Evaluate the groups whose members the cascade just cancelled."""
     for locked in end.memo.get("member_groups", []):

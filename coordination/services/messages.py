@@ -24,7 +24,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.ids import fence_id, parse_fence_id
 from coordination.models import Event, Mailbox, Message, Run
-from coordination.services.cascade import SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
@@ -426,6 +426,7 @@ def messages_dead_letter_exhausted(*, now: datetime | None = None, batch_size: i
 # Run cascade -----------------------------------------------------------------------------
 
 
+@cascade_step
 def messages_cancel_subtree(end: SubtreeEnd) -> None:
     """Cancel the subtree's queued messages (in-flight ones finish through their delivery)."""
     if connection.vendor == "postgresql":  # one statement, see subtree_rows_end

@@ -32,7 +32,7 @@ from coordination import exceptions
 from coordination.ids import path_ids, uuid7
 from coordination.models import Event, Pool, PoolLease, Run
 from coordination.services import sql
-from coordination.services.cascade import SubtreeEnd
+from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import event_for, event_insert_sql, event_row, events_record_many
 from coordination.services.locking import (
     CHAIN_ACTIVE_SQL,
@@ -548,6 +548,7 @@ def _release_careful(*, project_id: uuid.UUID, lease_id: uuid.UUID) -> PoolLease
     return lease
 
 
+@cascade_step
 def pools_cancel_subtree(end: SubtreeEnd) -> None:
     """Answer the subtree's waiters with the run's code (``CANCELLED``), and grant who now fits.
 

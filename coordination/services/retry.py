@@ -7,6 +7,7 @@ module level for it.
 
 import functools
 import uuid
+from collections.abc import Callable
 
 
 class GroupMembershipChanged(Exception):  # noqa: N818 - internal retry signal, not an error
@@ -14,11 +15,16 @@ class GroupMembershipChanged(Exception):  # noqa: N818 - internal retry signal, 
 
 
 class GroupDue(Exception):  # noqa: N818 - internal retry signal, not an error
-    """The group is past its deadline (or its gate is inactive): finalize it first, in its own commit."""
+    """The group is past its deadline (or its gate is inactive): finalize it first, in its own commit.
 
-    def __init__(self, group_id: uuid.UUID) -> None:
+    The signal carries the groups service that finalizes (``group_finalize_if_due``), so
+    this module imports no service and the groups service can import it.
+    """
+
+    def __init__(self, group_id: uuid.UUID, *, finalize: Callable[..., object]) -> None:
         super().__init__(str(group_id))
         self.group_id = group_id
+        self.finalize = finalize
 
 
 def retrying(fn):
@@ -39,9 +45,7 @@ def retrying(fn):
             except GroupDue as due:
                 if attempt == 4:
                     raise
-                from coordination.services.groups import group_finalize_if_due
-
-                group_finalize_if_due(group_id=due.group_id)
+                due.finalize(group_id=due.group_id)
         raise AssertionError("unreachable")
 
     return wrapper

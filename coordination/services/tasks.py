@@ -20,7 +20,7 @@ from coordination import exceptions
 from coordination.ids import path_ids
 from coordination.models import Event, Mailbox, Run, Task, TaskGroup
 from coordination.services import dispatch, sql
-from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_refusal, run_chain_lock_active
@@ -484,6 +484,7 @@ def tasks_cancel_group_members(*, group_id: uuid.UUID, reason: str, now: datetim
 # Run cascade -----------------------------------------------------------------------------
 
 
+@cascade_step
 def tasks_cancel_subtree(end: SubtreeEnd) -> None:
     """End every unfinished task of the subtree, running ones included, in id order.
 

@@ -13,7 +13,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.models import Event, Timer
 from coordination.services import dispatch, sql
-from coordination.services.cascade import SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.locking import run_chain_lock_active
 from coordination.states import TimerState
@@ -219,6 +219,7 @@ def timer_cancel(*, project_id: uuid.UUID, timer_id: uuid.UUID) -> Timer:
     return timer
 
 
+@cascade_step
 def timers_cancel_subtree(end: SubtreeEnd) -> None:
     """Cancel the subtree's armed timers."""
     if connection.vendor == "postgresql":  # one statement, see subtree_rows_end
