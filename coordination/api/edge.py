@@ -19,12 +19,12 @@ view answers as before. The answers have the views' envelope (``coordination/api
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.http import JsonResponse
 from rest_framework.exceptions import AuthenticationFailed, NotAuthenticated
 
 from coordination.api.auth import AUTHENTICATE_HEADER, UNUSABLE_KEY, bearer_key
-from coordination.api.errors import body_too_large, envelope
+from coordination.api.errors import body_too_large, database_unavailable, envelope
 from coordination.services.keys import api_key_authenticate
 
 
@@ -75,6 +75,10 @@ async def refusal(scope, *, needs_key: bool) -> JsonResponse | None:
                 raise AuthenticationFailed(UNUSABLE_KEY)
     except (NotAuthenticated, AuthenticationFailed) as error:
         return refused(401, envelope("UNAUTHENTICATED", str(error.detail)), {"WWW-Authenticate": AUTHENTICATE_HEADER})
+    except (OperationalError, InterfaceError):
+        # The key could not be looked up (PostgreSQL down or restarting): answered as a view
+        # answers it, 503 with the envelope, never an unhandled 500.
+        return refused(503, database_unavailable(), {"Retry-After": "1"})
     return None
 
 

@@ -56,6 +56,11 @@ def body_too_large() -> dict:
     return envelope("VALIDATION_ERROR", f"The request body is larger than {limit} bytes.", {"body": "too large"})
 
 
+def database_unavailable() -> dict:
+    """Return the error body of a request the database cannot serve now (answered with 503, ``Retry-After: 1``)."""
+    return envelope("SERVICE_UNAVAILABLE", "The database is unavailable; retry shortly.")
+
+
 def exception_handler(exc, context):
     """Map domain, DRF, Django and database errors to the envelope; roll back the request."""
     if isinstance(exc, RequestDataTooBig):
@@ -83,11 +88,7 @@ def exception_handler(exc, context):
     if isinstance(exc, OperationalError | InterfaceError):
         set_rollback()
         logger.warning("database unavailable: %s", exc)
-        return Response(
-            envelope("SERVICE_UNAVAILABLE", "The database is unavailable; retry shortly."),
-            status=503,
-            headers={"Retry-After": "1"},
-        )
+        return Response(database_unavailable(), status=503, headers={"Retry-After": "1"})
     if isinstance(exc, DatabaseError) and transaction.get_connection().in_atomic_block:
         # Roll back whatever the request wrote; let Django's 500 handler report it.
         transaction.set_rollback(True)
