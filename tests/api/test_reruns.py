@@ -87,8 +87,6 @@ def test_a_finished_task_is_submitted_again_with_its_input(api, work, state):
     assert api.get(f"/v1/tasks/{old['id']}").json()["rerunOf"] is None
     submitted = Event.objects.get(type="task.submitted", subject_id=new["id"])
     assert submitted.data["rerunOf"] == old["id"]  # a reader of the events knows it is a rerun
-    page = api.get("/v1/events", {"types": "task.submitted", "runId": work["id"]}).json()["events"]
-    assert [e["data"].get("rerunOf") for e in page if e["subjectId"] == new["id"]] == [old["id"]]
     # The rerun is ordinary work: a worker of the run claims it.
     assert [c["task"]["id"] for c in claim(api, work)] == [new["id"]]
 
