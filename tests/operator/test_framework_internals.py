@@ -6,8 +6,8 @@ in, the Celery set-up patches kombu's Redis channel, and a few places read DRF a
 An upgrade that changes any of them would break a request path quietly (a middleware stack
 built from the wrong setting, a thread per request again, a response that never gives its
 connection back). Each test here checks one fact and, when it fails, names the place in our
-code to revisit. The versions are pinned in ``requirements.txt``; bump them together with
-this file.
+code to revisit. The versions are pinned in ``requirements.in`` (locked in ``requirements.txt``);
+bump them together with this file.
 """
 
 import asyncio
@@ -265,7 +265,7 @@ def test_closing_a_response_sends_request_finished_as_its_handler_class():
 def test_thread_sensitive_context_runs_on_the_given_executor_and_leaves_it_running():
     where = f"{ASGI} ApiASGIHandler.__call__ (ThreadSensitiveContext(executor=...))"
     assert "executor" in inspect.signature(ThreadSensitiveContext).parameters, revisit(
-        where, "ThreadSensitiveContext no longer accepts executor= (the pinned asgiref in requirements.txt does)"
+        where, "ThreadSensitiveContext no longer accepts executor= (the asgiref pinned in requirements.in does)"
     )
     executor = ThreadPoolExecutor(1, thread_name_prefix="internals-probe")
     try:
