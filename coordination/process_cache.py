@@ -18,11 +18,18 @@ reconnect is dropped. A read that overlaps an invalidation is not kept (``genera
 it may have seen the row as it was before the change. Without PostgreSQL (SQLite) there
 is no NOTIFY and the caches stay off.
 
+Every caller gets an object of its own: an entry keeps a snapshot of the row (the model
+instance pickled, with the related rows it carries and its mutable field values such as a
+list of permissions), and each hit is a fresh copy of it. A caller may change or save what
+it got (a request's thread sets an attribute, a service saves the mailbox) without another
+thread, or the next request, seeing the change. A copy costs about 20 µs, no query.
+
 Caching is turned on by the API's ASGI application (``runstate_project.asgi``), the one
 place that serves keys and mailboxes at request rates; management commands, Celery workers
 and the in-process test client read the database as before.
 """
 
+import pickle
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -38,7 +45,7 @@ MAX_ENTRIES = 10_000  # per cache; a full cache starts again rather than evictin
 
 @dataclass
 class _Entry:
-    value: Any
+    snapshot: bytes  # the model instance, pickled: each hit unpickles a copy of its own
     row_id: str
     expires_at: float
     epoch: int
@@ -55,20 +62,21 @@ class RowCache:
         self.generation = 0  # bumped by every invalidation
 
     def get(self, key: Hashable) -> Any | None:
-        """Return the cached value of ``key``, or None (absent, expired, or read before a reconnect)."""
+        """Return a copy of the cached value of ``key``, or None (absent, expired, or read before a reconnect)."""
         epoch = _state.epoch
         if epoch is None:
             return None
         entry = self._entries.get(key)
         if entry is None or entry.epoch != epoch or entry.expires_at < time.monotonic():
             return None
-        return entry.value
+        return pickle.loads(entry.snapshot)
 
     def load(self, key: Hashable, read: Callable[[], Any]) -> Any:
         """Return ``key``'s row from the cache, or ``read()`` it and keep it unless it was invalidated meanwhile.
 
         ``read`` returns a model instance, or None for "no such row" (never cached); a change
-        to the instance's row (its ``pk``) forgets the entry.
+        to the instance's row (its ``pk``) forgets the entry. The instance returned is the
+        caller's own: the entry keeps a snapshot taken before it is returned.
         """
         cached = self.get(key)
         if cached is not None:
@@ -77,6 +85,7 @@ class RowCache:
         value = read()
         if value is None or epoch is None or _state.ttl_s <= 0:
             return value
+        snapshot = pickle.dumps(value)  # before the caller can change ``value``
         with self._lock:
             if self.generation != generation or _state.epoch != epoch:
                 return value  # a change arrived while we read: what we read may predate it
@@ -84,7 +93,7 @@ class RowCache:
                 self._entries.clear()
                 self._keys_by_row.clear()
             rid = str(value.pk)
-            self._entries[key] = _Entry(value, rid, time.monotonic() + _state.ttl_s, epoch)
+            self._entries[key] = _Entry(snapshot, rid, time.monotonic() + _state.ttl_s, epoch)
             self._keys_by_row.setdefault(rid, set()).add(key)
         return value
 

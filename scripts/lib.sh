@@ -3,7 +3,8 @@
 #
 #   find_python           print the path of a Python >= 3.12, or stop with exit 1
 #   ensure_venv           create .venv (or recreate a too-old one) and install requirements.txt
-#                         when it changed since the last install; puts .venv/bin first on PATH
+#                         (the lock file: every package pinned, with its hashes) and the checkout
+#                         when the lock changed since the last install; puts .venv/bin first on PATH
 #   pg_ensure_running     make sure PostgreSQL answers on 127.0.0.1:5432
 #   redis_ensure_running  make sure Redis answers on 127.0.0.1:6379
 #
@@ -69,9 +70,14 @@ ensure_venv() {
     wanted="$(_sha256 "$RUNSTATE_ROOT/requirements.txt")"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
         say "Installing requirements.txt into .venv"
-        # From the root: requirements.txt ends with "-e ." (the checkout, for the runstate command).
-        (cd "$RUNSTATE_ROOT" && "$RUNSTATE_VENV/bin/python" -m pip install --quiet -r requirements.txt </dev/null) ||
-            die "pip install -r requirements.txt failed"
+        # The lock file (pip-compile --generate-hashes, from requirements.in): pip refuses any
+        # download whose hash is not in it, and any package it does not pin.
+        "$RUNSTATE_VENV/bin/python" -m pip install --quiet --require-hashes -r "$RUNSTATE_ROOT/requirements.txt" \
+            </dev/null || die "pip install --require-hashes -r requirements.txt failed"
+        # The checkout itself, editable (the runstate command): an editable cannot be hashed,
+        # and its dependencies are the lock's, so none is resolved here.
+        (cd "$RUNSTATE_ROOT" && "$RUNSTATE_VENV/bin/python" -m pip install --quiet --no-deps -e . </dev/null) ||
+            die "pip install --no-deps -e . failed"
         printf '%s\n' "$wanted" >"$stamp"
     else
         say "Requirements already installed in .venv"

@@ -19,7 +19,7 @@ from tests.sdk.conftest import ROOT
 # No server and no database: the command and its configuration errors (a second run proves nothing more).
 pytestmark = pytest.mark.single_backend
 
-# The console script ``pip install -e .`` puts next to the interpreter (requirements.txt).
+# The console script ``pip install --no-deps -e .`` puts next to the interpreter (scripts/lib.sh ensure_venv).
 SCRIPT = Path(sys.executable).parent / "runstate"
 
 
@@ -78,7 +78,7 @@ def prepare(mailbox, *, lease_ttl_ms=30_000, inputs=({"n": 1},)):
 
 
 def test_the_command_is_installed_and_its_help_lists_the_verbs():
-    assert SCRIPT.exists(), "pip install -e . (requirements.txt) installs the runstate command"
+    assert SCRIPT.exists(), "pip install --no-deps -e . (scripts/lib.sh ensure_venv) installs the runstate command"
     code, out, _ = run_command("--help", env=dict(os.environ))
     assert code == 0
     for verb in ("worker", "status", "cancel"):
