@@ -36,6 +36,7 @@ from rest_framework.views import APIView, set_rollback
 
 from coordination.api.middleware import ApiContentSecurityPolicyMiddleware, ApiSecurityMiddleware
 from runstate_project import asgi
+from tests.operator.live import asgi_http_scope
 
 pytestmark = pytest.mark.single_backend  # no database: the same on both
 
@@ -67,21 +68,7 @@ RECORDING = f"{__name__}.RecordingMiddleware"
 
 
 def http_scope(path="/v1/health", **extra):
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"testserver")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("testserver", 80),
-        **extra,
-    }
+    return {**asgi_http_scope(path), **extra}
 
 
 # -- Django's ASGI handler (runstate_project/asgi.py, ApiASGIHandler) -------------------------
