@@ -9,7 +9,7 @@ import re
 
 import pytest
 from django.contrib.auth.models import User
-from django.test import AsyncClient
+from django.test import AsyncClient, override_settings
 from django.utils import timezone
 
 from coordination.api.longpoll import db
@@ -150,6 +150,23 @@ def test_the_staff_stream_sends_every_projects_events(admin_user, project, other
     mine, theirs, received = asyncio.run(scenario())
     assert str(mine.id) in received and str(theirs.id) in received
     assert '"type":"run.created"' in received
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_quiet_staff_stream_sends_keepalive_comments(admin_user, project):
+    async def scenario():
+        client = AsyncClient()
+        await client.aforce_login(admin_user)
+        with override_settings(RUNSTATE_SSE_HEARTBEAT_S=0.2):
+            response = await client.get(STREAM)
+            chunks = aiter(response.streaming_content)
+            try:
+                assert (await anext(chunks)).startswith(b"retry:")
+                return await asyncio.wait_for(anext(chunks), 5)
+            finally:
+                await chunks.aclose()
+
+    assert asyncio.run(scenario()) == b": keepalive\n\n"
 
 
 def test_cancelling_a_subtree_shows_how_much_work_it_ends_then_ends_it(admin_client, swarm):
