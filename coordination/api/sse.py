@@ -50,6 +50,36 @@ def heartbeat_s() -> float:
     return float(getattr(settings, "RUNSTATE_SSE_HEARTBEAT_S", 15.0))
 
 
+class Keepalive:
+    """When a stream is due its keepalive comment: after ``heartbeat_s()`` without a frame.
+
+    The one definition for every stream (the API's ``feed_frames`` and the dashboard's
+    ``event_frames``): call ``sent()`` after each frame, wait at most ``due_in_s()``, and
+    send ``comment()`` once that is not positive.
+    """
+
+    # A comment line: keeps proxies and clients from timing a quiet stream out.
+    COMMENT = b": keepalive\n\n"
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._every_s = heartbeat_s()
+        self._quiet_since = self._loop.time()
+
+    def sent(self) -> None:
+        """Note that a frame was just sent: the stream is not quiet."""
+        self._quiet_since = self._loop.time()
+
+    def due_in_s(self) -> float:
+        """Return the seconds until the comment is due (zero or less: due now)."""
+        return self._every_s - (self._loop.time() - self._quiet_since)
+
+    def comment(self) -> bytes:
+        """Return the comment to send now, counting it as a frame sent."""
+        self.sent()
+        return self.COMMENT
+
+
 async def event_frames(
     read: ReadAfter, *, after: str, present: Callable[[Event], tuple[str | None, str, object]]
 ) -> AsyncIterator[bytes]:
@@ -59,28 +89,24 @@ async def event_frames(
     returns the frame's id, event name and data. The stream ends when the client goes away
     (the ASGI server cancels the iteration; the ``finally`` unsubscribes).
     """
-    loop = asyncio.get_running_loop()
     waiter = hub.subscribe([ANY_TOPIC])
     try:
         await hub.ready()
         yield f"retry: {RECONNECT_MS}\n\n".encode()
         cursor = after
-        quiet_since = loop.time()
-        beat = heartbeat_s()
+        keepalive = Keepalive()
         while True:
             events, cursor = await db(read, cursor)
             for event in events:
                 event_id, event_type, data = present(event)
                 yield frame(event_id=event_id, event_type=event_type, data=data)
             if events:
-                quiet_since = loop.time()
+                keepalive.sent()
                 if len(events) >= BATCH:
                     continue
-            remaining = beat - (loop.time() - quiet_since)
+            remaining = keepalive.due_in_s()
             if remaining <= 0:
-                # A comment line: keeps proxies and clients from timing the stream out.
-                yield b": keepalive\n\n"
-                quiet_since = loop.time()
+                yield keepalive.comment()
                 continue
             if hub.enabled():
                 await waiter.wait(min(remaining, RECHECK_S))
@@ -349,8 +375,7 @@ async def feed_frames(
     try:
         yield f"retry: {RECONNECT_MS}\n\n".encode()
         await feed.started.wait()
-        beat = heartbeat_s()
-        quiet_since = loop.time()
+        keepalive = Keepalive()
         while True:
             position = stream.position
             if stream.served and not feed.covers(position, project_id):
@@ -377,15 +402,13 @@ async def feed_frames(
                     stream.stalled_since = loop.time()
                     yield piece
                     stream.stalled_since = None
-                quiet_since = loop.time()
+                keepalive.sent()
                 continue
             if behind:
                 continue
-            remaining = beat - (loop.time() - quiet_since)
+            remaining = keepalive.due_in_s()
             if remaining <= 0:
-                # A comment line: keeps proxies and clients from timing the stream out.
-                yield b": keepalive\n\n"
-                quiet_since = loop.time()
+                yield keepalive.comment()
                 continue
             await feed.wait_past(stream.position, remaining)
     finally:

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from coordination.admin.groups import groups_accepted, progress_text
 from coordination.admin.work import Depth, mailboxes_depth
-from coordination.models import Barrier, Event, Mailbox, Message, Run, Task, TaskGroup, Timer
+from coordination.models import Barrier, Event, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
 from coordination.project_scope import ProjectScope, of_projects
 from coordination.selectors import EffectiveState, runs_effective
 from coordination.states import (
@@ -34,6 +34,8 @@ ROWS = 50
 # The charts cover this long, one bar per minute.
 CHART_MINUTES = 60
 FINISHED_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "task.expired")
+# The "Latest events" panel lists this many, as does the page's script as new ones stream in.
+LATEST_EVENTS = 30
 
 
 # Counts by state ---------------------------------------------------------------------------
@@ -267,3 +269,25 @@ def run_tree(projects: ProjectScope = None, expanded: Iterable[uuid.UUID] = (), 
     queryset = of_projects(Run.objects.filter(parent__isnull=True, gated_group__isnull=True), projects)
     newest = list(queryset.order_by("-created_at", "-id")[:roots])
     return _nodes(newest, set(expanded), depth_left=16)
+
+
+# Latest events ---------------------------------------------------------------------------
+
+
+def latest_events(projects: ProjectScope = None, limit: int = LATEST_EVENTS) -> list[Event]:
+    """Return the newest ``limit`` events of ``projects``, newest first, in the event log's order.
+
+    Each project's newest are read from the end of its ``(project_id, txid, id)`` index, then
+    merged: one short index scan per project instead of a sort of every project's events.
+    """
+    if projects is None:
+        project_ids = list(Project.objects.values_list("id", flat=True))
+    elif isinstance(projects, uuid.UUID):
+        project_ids = [projects]
+    else:
+        project_ids = list(projects)
+    newest: list[Event] = []
+    for project_id in project_ids:
+        newest += Event.objects.filter(project_id=project_id).order_by("-txid", "-id")[:limit]
+    newest.sort(key=lambda event: (event.txid, event.id), reverse=True)
+    return newest[:limit]

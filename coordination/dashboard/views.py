@@ -34,7 +34,19 @@ from coordination.project_scope import ProjectScope, of_projects, project_scope,
 from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
 from coordination.stuck_cancellations import stuck_cancellations
 
-PANELS = ("counts", "queues", "leases", "groups", "charts", "tree", "stuck", "admissions", "pools", "quotas_budgets")
+PANELS = (
+    "counts",
+    "queues",
+    "leases",
+    "groups",
+    "charts",
+    "tree",
+    "stuck",
+    "admissions",
+    "pools",
+    "quotas_budgets",
+    "events",
+)
 THROUGHPUT_COLORS = {"succeeded": "#2e7d32", "failed": "#c62828", "cancelled": "#f9a825", "expired": "#6d4c41"}
 DECISION_COLORS = {"SUCCESS": "#2e7d32", "FAILURE": "#c62828"}
 # Events the stream reads per project per round trip.
@@ -197,6 +209,7 @@ def _panel_context(request) -> dict:
         "admission_lines": admission_lines(projects),
         "pools": _pool_rows(scope),
         "quotas_budgets": quota_budget_rows(projects),
+        "events": selectors.latest_events(projects),
     }
 
 
@@ -218,6 +231,7 @@ def dashboard(request):
         "sees_every_project": sees_every_project(request.user),
         "panels": render_panels(request),
         "selected_project": request.GET.get("project") or "",
+        "events_shown": selectors.LATEST_EVENTS,
     }
     return render(request, "admin/runstate/dashboard/page.html", context)
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 from django.contrib.auth.models import User
-from django.test import AsyncClient
+from django.test import AsyncClient, override_settings
 from django.utils import timezone
 
 from coordination.api.longpoll import db
@@ -102,6 +102,7 @@ def test_the_panels_show_opened_runs_with_their_effective_state(admin_client, pr
         "admissions",
         "pools",
         "quotas_budgets",
+        "events",
     }
     tree = panels["tree"]
     node = re.search(rf'<li class="rs-node" data-run="{child.id}".*?</li>', tree, re.S).group(0)
@@ -150,6 +151,49 @@ def test_the_staff_stream_sends_every_projects_events(admin_user, project, other
     mine, theirs, received = asyncio.run(scenario())
     assert str(mine.id) in received and str(theirs.id) in received
     assert '"type":"run.created"' in received
+
+
+def events_panel(html: str) -> str:
+    """Return the "Latest events" list of a page or a panel."""
+    return re.search(r'<ol id="rs-events".*?</ol>', html, re.S).group(0)
+
+
+def test_the_dashboard_lists_the_latest_events_on_load(admin_client, project, swarm):
+    root, child, group = swarm
+    for n in range(40):
+        run_create(project_id=project.id, parent_id=child.id, name=f"late-{n}")
+    newest = run_create(project_id=project.id, parent_id=child.id, name="newest")
+
+    listed = events_panel(admin_client.get(DASHBOARD).content.decode())
+
+    items = re.findall(r"<li[^>]*data-event-id=[^>]*>(.*?)</li>", listed, re.S)
+    assert len(items) == 30  # as many as the page's script keeps when new ones arrive
+    assert "run.created" in items[0] and str(newest.id) in items[0]  # newest first
+    assert str(root.id) not in listed  # the oldest are left to the admin's event list
+    # The panels the page swaps in after each streamed event carry the same list.
+    assert str(newest.id) in events_panel(admin_client.get(PANELS).json()["panels"]["events"])
+
+
+def test_the_events_panel_says_so_when_there_is_none(admin_client, db):
+    listed = events_panel(admin_client.get(DASHBOARD).content.decode())
+    assert "data-event-id" not in listed and "No event yet" in listed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_quiet_staff_stream_sends_keepalive_comments(admin_user, project):
+    async def scenario():
+        client = AsyncClient()
+        await client.aforce_login(admin_user)
+        with override_settings(RUNSTATE_SSE_HEARTBEAT_S=0.2):
+            response = await client.get(STREAM)
+            chunks = aiter(response.streaming_content)
+            try:
+                assert (await anext(chunks)).startswith(b"retry:")
+                return await asyncio.wait_for(anext(chunks), 5)
+            finally:
+                await chunks.aclose()
+
+    assert asyncio.run(scenario()) == b": keepalive\n\n"
 
 
 def test_cancelling_a_subtree_shows_how_much_work_it_ends_then_ends_it(admin_client, swarm):

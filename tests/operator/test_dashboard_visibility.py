@@ -5,6 +5,7 @@ staff see the projects whose ``staff_groups`` hold one of their groups.
 """
 
 import asyncio
+import re
 
 import pytest
 from django.contrib import admin
@@ -79,6 +80,16 @@ def test_the_panels_show_a_staff_user_only_their_projects(client, acme_operator,
     panels = client.get(PANELS).json()["panels"]
 
     assert_shows_only_acme("".join(panels.values()))
+
+
+@pytest.mark.django_db
+def test_the_latest_events_show_a_staff_user_only_their_projects(client, acme_operator, two_tenants):
+    client.force_login(acme_operator)
+
+    for html in (client.get(DASHBOARD).content.decode(), client.get(PANELS).json()["panels"]["events"]):
+        listed = re.search(r'<ol id="rs-events".*?</ol>', html, re.S).group(0)
+        assert str(two_tenants["acme"].id) in listed
+        assert str(two_tenants["globex"].id) not in listed
 
 
 @pytest.mark.django_db

@@ -1,22 +1,24 @@
 // The operator dashboard's live updates: no library, nothing fetched from elsewhere.
 //
 // The page listens to the staff-only event stream; after events arrive it fetches every
-// panel's HTML (rendered on the server) and swaps it in, at most once per REFRESH_MS. Open
+// panel's HTML (rendered on the server) and swaps it in, at most once per REFRESH_MS. The
+// "Latest events" panel is one of them (rendered with the page, so never empty on load);
+// each streamed event is also put at its top at once, until the next swap. Open
 // runs in the tree are remembered and sent along, so the tree stays as the operator left it.
 // While the stream is down the browser reconnects on its own and the page polls meanwhile.
 (function () {
   "use strict";
   var REFRESH_MS = 500;
   var POLL_MS = 5000;
-  var EVENTS_SHOWN = 30;
 
   function start() {
     var root = document.getElementById("rs-dashboard");
     if (!root) return;
     var live = document.getElementById("rs-live");
     var updatedAt = document.getElementById("rs-updated-at");
-    var eventList = document.getElementById("rs-events");
     var project = root.dataset.project || "";
+    // As many events as the server lists (dashboard.selectors.LATEST_EVENTS).
+    var eventsShown = parseInt(root.dataset.eventsShown, 10);
     var expanded = new Set();
     var pending = null;
     var inFlight = false;
@@ -63,12 +65,15 @@
     }
 
     function showEvent(data) {
+      // Looked up each time: a panel swap replaces the list.
+      var eventList = document.getElementById("rs-events");
+      if (!eventList) return;
       var first = eventList.querySelector(".rs-muted");
       if (first) first.remove();
       var item = document.createElement("li");
       item.textContent = new Date(data.createdAt).toLocaleTimeString() + "  " + data.type + "  " + (data.subjectId || "");
       eventList.insertBefore(item, eventList.firstChild);
-      while (eventList.children.length > EVENTS_SHOWN) eventList.removeChild(eventList.lastChild);
+      while (eventList.children.length > eventsShown) eventList.removeChild(eventList.lastChild);
     }
 
     // Choosing a project reloads the page for it (here, not inline: the CSP allows no inline handler).
