@@ -40,9 +40,10 @@ def committed_elsewhere(sql: str, params: tuple = (), *, notify: bool = True) ->
 
 
 def listeners() -> int:
-    """Count the hubs' LISTEN connections (their last statement; they listen for cache changes first)."""
+    """Count the hubs' LISTEN connections to the test database (their last statement; they listen
+    for cache changes first). Servers of another test run on the same cluster are not counted."""
     with psycopg.connect(live.test_database_url(), autocommit=True) as other:
-        query = "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN runstate'"
+        query = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query = 'LISTEN runstate'"
         return other.execute(query).fetchone()[0]
 
 
