@@ -1,9 +1,10 @@
 """The message loop behind ``consume_messages``: receive, extend in the background, answer, stop.
 
-The queue twin of the task engine in ``runstate/_worker.py``, built from its pieces (handler
-threads, ``SIGTERM``, transient-failure backoff): it runs on an asyncio loop, an async handler
-runs as a task on that loop (cancelled when its delivery is lost), a plain function runs in a
-daemon thread (told through ``ctx.signal``; its result is dropped once the delivery is lost).
+The queue twin of the task engine in ``runstate/_worker/engine.py``, built from the pieces
+of ``runstate/_worker/`` (handler threads, ``SIGTERM``) and ``runstate/_loop.py`` (fetching,
+transient-failure backoff): it runs on an asyncio loop, an async handler runs as a task on
+that loop (cancelled when its delivery is lost), a plain function runs in a daemon thread
+(told through ``ctx.signal``; its result is dropped once the delivery is lost).
 
 A handler's return acknowledges the message (``complete``), an exception puts it back after
 ``retry_delay_ms`` (``retry``), and ``Reject`` dead-letters it (``reject``). While a handler
