@@ -34,32 +34,40 @@ class _Signal(Protocol):
     def is_set(self) -> bool: ...
 
 
-class _TaskContextBase:
-    """What a handler gets: the claimed task, and whether it should stop."""
+class _HandlerContext:
+    """What every handler context has, a task's or a message's: ``signal``, and why it was set."""
 
     signal: _Signal
 
-    def __init__(self, claim: AsyncClaim) -> None:
-        self.task: JsonDict = claim.task
-        self.task_id: str = claim.task_id
-        self.claim_id: str = claim.id
-        self.attempt: int = claim.attempt
-        self.input: Any = claim.task.get("input")
-        self.key: str | None = claim.task.get("key")
-        # Why the signal was set: "cancellation_requested", "lease_lost", "scope_refused" or "stopping".
+    def __init__(self) -> None:
+        # Why the signal was set (the first reason given): "cancellation_requested" (tasks only),
+        # "lease_lost", "scope_refused" or "stopping".
         self.stop_reason: str | None = None
 
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} task={self.task_id} attempt={self.attempt}>"
-
     def is_cancellation_requested(self) -> bool:
-        """Return whether the handler should stop (cancellation requested, lease lost or run refused)."""
+        """Return whether the handler should stop: ``stop_reason`` says why."""
         return self.signal.is_set()
 
     def _trip(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
         self.signal.set()
+
+
+class _TaskContextBase(_HandlerContext):
+    """What a handler gets: the claimed task, and whether it should stop."""
+
+    def __init__(self, claim: AsyncClaim) -> None:
+        super().__init__()
+        self.task: JsonDict = claim.task
+        self.task_id: str = claim.task_id
+        self.claim_id: str = claim.id
+        self.attempt: int = claim.attempt
+        self.input: Any = claim.task.get("input")
+        self.key: str | None = claim.task.get("key")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} task={self.task_id} attempt={self.attempt}>"
 
 
 class AsyncTaskContext(_TaskContextBase):

@@ -23,7 +23,7 @@ from typing import Any
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncClaim, AsyncTasks
 from runstate._batch import ClaimResult
-from runstate._config import JsonDict, segment
+from runstate._config import JsonDict
 from runstate._errors import (
     LeaseLostError,
     NotFoundError,
@@ -31,15 +31,13 @@ from runstate._errors import (
     ScopeInactiveError,
     TransportError,
 )
-from runstate._loop import TRANSIENT, FetchLoop
+from runstate._loop import MIN_RENEW_INTERVAL_S, TRANSIENT, FetchLoop, Held
 from runstate._worker.completer import _Completer
 from runstate._worker.contexts import CancellationRequested, _TaskContextBase
 from runstate._worker.signals import _sigterm_stops
 
 logger = logging.getLogger("runstate.worker")
 
-# A renewal must leave room to reach the server before the lease runs out.
-MIN_RENEW_INTERVAL_S = 0.05
 # The server's cap on ``max`` of one claim call.
 MAX_CLAIMS_PER_CALL = 100
 
@@ -68,23 +66,15 @@ def describe_error(exc: BaseException) -> JsonDict:
     return {"type": type(exc).__name__, "message": str(exc), "traceback": text[-4000:]}
 
 
-class _Held:
+class _Held(Held[_TaskContextBase]):
     """A claimed task being worked on."""
 
     def __init__(self, claim: AsyncClaim, ctx: _TaskContextBase) -> None:
+        super().__init__(ctx)
         self.claim = claim
-        self.ctx = ctx
-        self.lost = False  # the claim is gone: nothing may be recorded, the handler is cancelled
-        self.abandoned = False  # the worker is stopping: the handler is cancelled, the task released
-        self.handler: asyncio.Future[Any] | None = None
-        self.supervisor: asyncio.Task[None] | None = None
         self.lease_until = monotonic()  # when the lease runs out at the latest, by this process's clock
         self.started = monotonic()  # for the duration in the task's log line
         self.refusal: RunstateError | None = None  # why the record of the result was refused, if it was
-
-    def running(self) -> bool:
-        """Return whether the handler is still running (it takes a slot of ``concurrency``)."""
-        return self.handler is not None and not self.handler.done()
 
 
 class Engine(FetchLoop[ConsumeSummary]):
@@ -132,11 +122,7 @@ class Engine(FetchLoop[ConsumeSummary]):
     async def run(self) -> ConsumeSummary:
         """Work until the run refuses work or ``stop()``; return the summary."""
         loop = self._begin()
-        ttl_ms = self.lease_ttl_ms
-        if ttl_ms is None:
-            mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
-            ttl_ms = int(mailbox["leaseTtlMs"])
-        self._ttl_s = ttl_ms / 1000
+        self._ttl_s = await self._lease_ttl_ms(self.lease_ttl_ms) / 1000
         self._completer = _Completer(self._tasks)
         self._completer.start()
         renewer = asyncio.create_task(self._renew_loop(), name="runstate-renew")
@@ -338,15 +324,4 @@ class Engine(FetchLoop[ConsumeSummary]):
         Buffered completions are sent at once from here on.
         """
         self._completer.hurry()
-        running = [held.supervisor for held in self._held.values() if held.supervisor is not None]
-        if running and drain_timeout > 0:
-            logger.info("stopping: waiting up to %.1f s for %d handler(s)", drain_timeout, len(running))
-            await asyncio.wait(running, timeout=drain_timeout)
-        for held in list(self._held.values()):
-            if held.handler is not None and not held.handler.done():
-                held.abandoned = True
-                held.ctx._trip("stopping")
-                held.handler.cancel()
-        remaining = [held.supervisor for held in self._held.values() if held.supervisor is not None]
-        if remaining:
-            await asyncio.wait(remaining)
+        await super()._shutdown(drain_timeout=drain_timeout)

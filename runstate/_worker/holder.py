@@ -7,7 +7,6 @@ from typing import Any
 
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncClaim
-from runstate._config import segment
 from runstate._errors import RunstateError
 from runstate._worker.contexts import CancellationRequested, _HoldOutcome, _TaskContextBase
 from runstate._worker.engine import Engine, _Held
@@ -59,11 +58,7 @@ class Holder:
     async def enter(self) -> None:
         """Start renewing (every ``renew_fraction`` of the lease TTL: the given one, else the mailbox's)."""
         engine = self.engine
-        ttl_ms = engine.lease_ttl_ms
-        if ttl_ms is None:
-            mailbox = await engine._http.request("GET", f"/mailboxes/{segment(engine.mailbox)}", idempotent=True)
-            ttl_ms = int(mailbox["leaseTtlMs"])
-        engine._ttl_s = ttl_ms / 1000
+        engine._ttl_s = await engine._lease_ttl_ms(engine.lease_ttl_ms) / 1000
         held = self.held
         held.handler = asyncio.get_running_loop().create_future()  # pending while the block runs
         held.lease_until = monotonic() + engine._ttl_s
