@@ -61,19 +61,31 @@ class Held[ContextT]:
 class FetchLoop[SummaryT: _Summary]:
     """The fetch-and-dispatch skeleton of a worker loop, and its stop control.
 
-    A subclass sets ``_http``, ``run_id``, ``mailbox``, ``concurrency``, ``summary`` (with a
-    ``stop_reason``) and ``_held`` (items by id, each a ``Held`` whose context has ``_trip``),
-    and implements ``_start(item)`` and ``_lose(held, reason)``.
+    A subclass sets ``summary`` (with a ``stop_reason``) and ``_held`` (items by id, each a
+    ``Held`` whose context has ``_trip``), and implements ``_start(item)`` and ``_lose(held, reason)``.
     """
 
-    _http: AsyncHttp
-    run_id: str
-    mailbox: str
-    concurrency: int
     summary: SummaryT
     _held: dict[str, Any]
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        http: AsyncHttp,
+        run_id: str,
+        mailbox: str,
+        *,
+        concurrency: int,
+        drain_timeout: float,
+        handle_signals: bool,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self._http = http
+        self.run_id = run_id
+        self.mailbox = mailbox
+        self.concurrency = concurrency
+        self.drain_timeout = drain_timeout  # how long running handlers get to finish once stopping
+        self.handle_signals = handle_signals  # whether SIGTERM stops this loop (see runstate/_worker/signals.py)
         self._stop_requested = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None

@@ -137,24 +137,18 @@ class MessageEngine(FetchLoop[MessageSummary]):
         drain_timeout: float,
         handle_signals: bool,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
+        super().__init__(
+            http, run_id, mailbox, concurrency=concurrency, drain_timeout=drain_timeout, handle_signals=handle_signals
+        )
         if not 0 < extend_fraction < 1:
             raise ValueError("extend_fraction must be between 0 and 1")
-        super().__init__()
-        self._http = http
         self._messages = AsyncMessages(http, run_id)
-        self.run_id = run_id
-        self.mailbox = mailbox
         self._make_context = make_context
         self._start_handler = start_handler
-        self.concurrency = concurrency
         self.visibility_ms = visibility_ms
         self.retry_delay_ms = retry_delay_ms
         self.receive_wait_ms = max(0, min(receive_wait_ms, 30_000))
         self.extend_fraction = extend_fraction
-        self.drain_timeout = drain_timeout
-        self.handle_signals = handle_signals
         self.summary = MessageSummary()
         self._held: dict[str, _Held] = {}
         self._visibility_ms = 30_000

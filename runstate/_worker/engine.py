@@ -96,24 +96,18 @@ class Engine(FetchLoop[ConsumeSummary]):
         drain_timeout: float,
         handle_signals: bool,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
+        super().__init__(
+            http, run_id, mailbox, concurrency=concurrency, drain_timeout=drain_timeout, handle_signals=handle_signals
+        )
         if not 0 < renew_fraction < 1:
             raise ValueError("renew_fraction must be between 0 and 1")
-        super().__init__()
-        self._http = http
         self._tasks = AsyncTasks(http, run_id)
-        self.run_id = run_id
-        self.mailbox = mailbox
         self._make_context = make_context
         self._start_handler = start_handler
-        self.concurrency = concurrency
         self.lease_ttl_ms = lease_ttl_ms
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.claim_wait_ms = max(0, min(claim_wait_ms, 30_000))
         self.renew_fraction = renew_fraction
-        self.drain_timeout = drain_timeout
-        self.handle_signals = handle_signals
         self.summary = ConsumeSummary()
         self._held: dict[str, _Held] = {}
         self._ttl_s = 30.0
