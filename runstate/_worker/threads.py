@@ -8,6 +8,7 @@ from typing import Any
 
 
 def _settle(future: "asyncio.Future[Any]", result: object, error: BaseException | None) -> None:
+    """Give ``future`` its result or error, unless its waiter already gave up (it is done)."""
     if future.done():
         return
     if error is not None:
