@@ -1,9 +1,11 @@
 """What the task loop (``consume``) and the message loop (``consume_messages``) share.
 
-Both fetch work in batches sized to their free slots (claims or deliveries), long-poll for
-it, back off on transport errors, stop when the run refuses work or on ``stop()``, and hand
-back what arrives after a stop. ``FetchLoop`` is that skeleton; each engine says how to
-fetch, start and hand back one item, and owns everything about running it.
+Both read the mailbox's lease TTL when none is given, fetch work in batches sized to their
+free slots (claims or deliveries), long-poll for it, back off on transport errors, stop when
+the run refuses work or on ``stop()``, hand back what arrives after a stop, and give running
+handlers ``drain_timeout`` before cancelling them. ``FetchLoop`` is that skeleton; each
+engine says how to fetch, start, lose and hand back one item, and owns everything about
+running it.
 """
 
 import asyncio
@@ -11,6 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from runstate._async.http import AsyncHttp
+from runstate._config import segment
 from runstate._errors import (
     RateLimitedError,
     ScopeInactiveError,
@@ -28,27 +32,60 @@ CLAIM_BACKOFF_S = 0.5
 CLAIM_BACKOFF_MAX_S = 15.0
 # With a short (or no) long-poll, pause this long after an empty answer instead of spinning.
 IDLE_PAUSE_S = 0.5
+# A renewal (or an extend) must leave room to reach the server before the lease runs out.
+MIN_RENEW_INTERVAL_S = 0.05
 
 
 class _Summary(Protocol):
     stop_reason: str
 
 
+class Held[ContextT]:
+    """An item being worked on (a claim or a delivery): its handler's context, the handler, and its end.
+
+    Each engine adds what it tracks of its own items (the claim or delivery, its lease).
+    """
+
+    def __init__(self, ctx: ContextT) -> None:
+        self.ctx = ctx
+        self.lost = False  # the item is gone: nothing may be recorded, the handler is cancelled
+        self.abandoned = False  # the worker is stopping: the handler is cancelled, the item handed back
+        self.handler: asyncio.Future[Any] | None = None
+        self.supervisor: asyncio.Task[None] | None = None  # awaits the handler and records its end
+
+    def running(self) -> bool:
+        """Return whether the handler is still running (it takes a slot of ``concurrency``)."""
+        return self.handler is not None and not self.handler.done()
+
+
 class FetchLoop[SummaryT: _Summary]:
     """The fetch-and-dispatch skeleton of a worker loop, and its stop control.
 
-    A subclass sets ``run_id``, ``mailbox``, ``concurrency``, ``summary`` (with a
-    ``stop_reason``) and ``_held`` (items by id, each with ``running()``), and implements
-    ``_start(item)`` and ``_lose(held, reason)``.
+    A subclass sets ``summary`` (with a ``stop_reason``) and ``_held`` (items by id, each a
+    ``Held`` whose context has ``_trip``), and implements ``_start(item)`` and ``_lose(held, reason)``.
     """
 
-    run_id: str
-    mailbox: str
-    concurrency: int
     summary: SummaryT
     _held: dict[str, Any]
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        http: AsyncHttp,
+        run_id: str,
+        mailbox: str,
+        *,
+        concurrency: int,
+        drain_timeout: float,
+        handle_signals: bool,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self._http = http
+        self.run_id = run_id
+        self.mailbox = mailbox
+        self.concurrency = concurrency
+        self.drain_timeout = drain_timeout  # how long running handlers get to finish once stopping
+        self.handle_signals = handle_signals  # whether SIGTERM stops this loop (see runstate/_worker/signals.py)
         self._stop_requested = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
@@ -77,6 +114,13 @@ class FetchLoop[SummaryT: _Summary]:
         if self._stop_requested:
             self._stop_event.set()
         return loop
+
+    async def _lease_ttl_ms(self, given: int | None) -> int:
+        """Return ``given``, or the mailbox's lease TTL (one request) when none was given."""
+        if given is not None:
+            return given
+        mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
+        return int(mailbox["leaseTtlMs"])
 
     def _start(self, item: Any) -> None:
         raise NotImplementedError
@@ -157,6 +201,25 @@ class FetchLoop[SummaryT: _Summary]:
                 inner.cancel()
         if self._stop_event.is_set():
             self.summary.stop_reason = self.summary.stop_reason or "stopped"
+
+    async def _shutdown(self, *, drain_timeout: float) -> None:
+        """Let running handlers finish for ``drain_timeout`` s, then cancel them.
+
+        A cancelled handler's item is marked ``abandoned`` and its context tripped with
+        ``"stopping"``; its supervisor hands the item back. Returns once every supervisor ended.
+        """
+        running = [held.supervisor for held in self._held.values() if held.supervisor is not None]
+        if running and drain_timeout > 0:
+            logger.info("stopping: waiting up to %.1f s for %d handler(s)", drain_timeout, len(running))
+            await asyncio.wait(running, timeout=drain_timeout)
+        for held in list(self._held.values()):
+            if held.handler is not None and not held.handler.done():
+                held.abandoned = True
+                held.ctx._trip("stopping")
+                held.handler.cancel()
+        remaining = [held.supervisor for held in self._held.values() if held.supervisor is not None]
+        if remaining:
+            await asyncio.wait(remaining)
 
     def _slot_freed(self, _: object) -> None:
         if self._changed is not None:

@@ -1,9 +1,10 @@
 """The message loop behind ``consume_messages``: receive, extend in the background, answer, stop.
 
-The queue twin of the task engine in ``runstate/_worker.py``, built from its pieces (handler
-threads, ``SIGTERM``, transient-failure backoff): it runs on an asyncio loop, an async handler
-runs as a task on that loop (cancelled when its delivery is lost), a plain function runs in a
-daemon thread (told through ``ctx.signal``; its result is dropped once the delivery is lost).
+The queue twin of the task engine in ``runstate/_worker/engine.py``, built from the pieces
+of ``runstate/_worker/`` (handler threads, ``SIGTERM``) and ``runstate/_loop.py`` (fetching,
+transient-failure backoff): it runs on an asyncio loop, an async handler runs as a task on
+that loop (cancelled when its delivery is lost), a plain function runs in a daemon thread
+(told through ``ctx.signal``; its result is dropped once the delivery is lost).
 
 A handler's return acknowledges the message (``complete``), an exception puts it back after
 ``retry_delay_ms`` (``retry``), and ``Reject`` dead-letters it (``reject``). While a handler
@@ -23,10 +24,10 @@ from typing import Any
 
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncDelivery, AsyncMessages
-from runstate._config import JsonDict, segment
+from runstate._config import JsonDict
 from runstate._errors import LeaseLostError, NotFoundError, RunstateError, ScopeInactiveError, TransportError
-from runstate._loop import TRANSIENT, FetchLoop
-from runstate._worker import MIN_RENEW_INTERVAL_S, _Signal, _sigterm_stops
+from runstate._loop import MIN_RENEW_INTERVAL_S, TRANSIENT, FetchLoop, Held
+from runstate._worker import _HandlerContext, _sigterm_stops
 
 logger = logging.getLogger("runstate.worker")
 
@@ -42,20 +43,20 @@ class Reject(Exception):  # noqa: N818 - named for what the handler does, as Cel
         self.reason = reason
 
 
-class _MessageContextBase:
-    """What a message handler gets: the delivered message, and whether it should stop."""
+class _MessageContextBase(_HandlerContext):
+    """What a message handler gets: the delivered message, and whether it should stop.
 
-    signal: _Signal
+    ``stop_reason`` is ``"lease_lost"``, ``"scope_refused"`` or ``"stopping"``.
+    """
 
     def __init__(self, delivery: AsyncDelivery) -> None:
+        super().__init__()
         self.delivery_id: str = delivery.id
         self.message_id: str = delivery.message_id
         self.body: Any = delivery.body
         self.attempt: int = delivery.attempt
         # True once the delivery is lost (run refused, lease lost): nothing is sent for it any more.
         self.lost = False
-        # Why the signal was set: "lease_lost", "scope_refused" or "stopping".
-        self.stop_reason: str | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} message={self.message_id} attempt={self.attempt}>"
@@ -64,15 +65,9 @@ class _MessageContextBase:
         """Return whether the delivery is lost: the handler's result will not be recorded."""
         return self.lost
 
-    def is_cancellation_requested(self) -> bool:
-        """Return whether the handler should stop (delivery lost, run refused or worker stopping)."""
-        return self.signal.is_set()
-
-    def _trip(self, reason: str, *, lost: bool) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = reason
+    def _trip(self, reason: str, *, lost: bool = False) -> None:
         self.lost = self.lost or lost
-        self.signal.set()
+        super()._trip(reason)
 
 
 class AsyncMessageContext(_MessageContextBase):
@@ -114,20 +109,13 @@ class MessageSummary:
     stop_reason: str = ""
 
 
-class _Held:
+class _Held(Held[_MessageContextBase]):
     """A delivery being worked on."""
 
     def __init__(self, delivery: AsyncDelivery, ctx: _MessageContextBase) -> None:
+        super().__init__(ctx)
         self.delivery = delivery
-        self.ctx = ctx
-        self.lost = False
-        self.abandoned = False  # the worker is stopping: the handler is cancelled, the message put back
-        self.handler: asyncio.Future[Any] | None = None
-        self.supervisor: asyncio.Task[None] | None = None
         self.visible_until = monotonic()  # when the visibility runs out at the latest, by this process's clock
-
-    def running(self) -> bool:
-        return self.handler is not None and not self.handler.done()
 
 
 class MessageEngine(FetchLoop[MessageSummary]):
@@ -149,24 +137,18 @@ class MessageEngine(FetchLoop[MessageSummary]):
         drain_timeout: float,
         handle_signals: bool,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
+        super().__init__(
+            http, run_id, mailbox, concurrency=concurrency, drain_timeout=drain_timeout, handle_signals=handle_signals
+        )
         if not 0 < extend_fraction < 1:
             raise ValueError("extend_fraction must be between 0 and 1")
-        super().__init__()
-        self._http = http
         self._messages = AsyncMessages(http, run_id)
-        self.run_id = run_id
-        self.mailbox = mailbox
         self._make_context = make_context
         self._start_handler = start_handler
-        self.concurrency = concurrency
         self.visibility_ms = visibility_ms
         self.retry_delay_ms = retry_delay_ms
         self.receive_wait_ms = max(0, min(receive_wait_ms, 30_000))
         self.extend_fraction = extend_fraction
-        self.drain_timeout = drain_timeout
-        self.handle_signals = handle_signals
         self.summary = MessageSummary()
         self._held: dict[str, _Held] = {}
         self._visibility_ms = 30_000
@@ -174,11 +156,7 @@ class MessageEngine(FetchLoop[MessageSummary]):
     async def run(self) -> MessageSummary:
         """Work until the run refuses work or ``stop()``; return the summary."""
         loop = self._begin()
-        if self.visibility_ms is None:
-            mailbox = await self._http.request("GET", f"/mailboxes/{segment(self.mailbox)}", idempotent=True)
-            self._visibility_ms = int(mailbox["leaseTtlMs"])
-        else:
-            self._visibility_ms = self.visibility_ms
+        self._visibility_ms = await self._lease_ttl_ms(self.visibility_ms)
         with _sigterm_stops(self, loop):
             try:
                 await self._receive_loop()
@@ -309,18 +287,3 @@ class MessageEngine(FetchLoop[MessageSummary]):
             logger.info("message %s: hand-back refused (%s)", delivery.message_id, exc)
             return
         self.summary.released += 1
-
-    async def _shutdown(self, *, drain_timeout: float) -> None:
-        """Let running handlers finish for ``drain_timeout`` s, then cancel them and put their messages back."""
-        running = [held.supervisor for held in self._held.values() if held.supervisor is not None]
-        if running and drain_timeout > 0:
-            logger.info("stopping: waiting up to %.1f s for %d handler(s)", drain_timeout, len(running))
-            await asyncio.wait(running, timeout=drain_timeout)
-        for held in list(self._held.values()):
-            if held.handler is not None and not held.handler.done():
-                held.abandoned = True
-                held.ctx._trip("stopping", lost=False)
-                held.handler.cancel()
-        remaining = [held.supervisor for held in self._held.values() if held.supervisor is not None]
-        if remaining:
-            await asyncio.wait(remaining)

@@ -14,16 +14,16 @@ import asyncio
 import sys
 import time
 
-import runstate._worker
+import runstate._worker.completer
 from runstate import Runstate
 from tests.sdk.cli_handlers import say
 
 
 def hold_completions_back() -> None:
     """Keep completions in the buffer (no size or delay reached) and print each one buffered."""
-    runstate._worker.FLUSH_SIZE = 10_000
-    runstate._worker.FLUSH_DELAY_S = 3600.0
-    complete = runstate._worker._Completer.complete
+    runstate._worker.completer.FLUSH_SIZE = 10_000
+    runstate._worker.completer.FLUSH_DELAY_S = 3600.0
+    complete = runstate._worker.completer._Completer.complete
 
     async def buffered(self, claim, outcome):
         sending = asyncio.ensure_future(complete(self, claim, outcome))
@@ -32,7 +32,7 @@ def hold_completions_back() -> None:
             say(f"buffered {claim.task_id}")
         return await sending
 
-    runstate._worker._Completer.complete = buffered
+    runstate._worker.completer._Completer.complete = buffered
 
 
 def main(mailbox: str, mode: str, drain_timeout: float) -> None:

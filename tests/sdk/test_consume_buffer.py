@@ -66,7 +66,7 @@ async def gate_scenario(mailbox, count, *, concurrency, lease_ttl_ms=None, betwe
 
 
 def test_fifty_waiting_completions_are_sent_at_once_in_one_request(sdk, monkeypatch):
-    monkeypatch.setattr("runstate._worker.FLUSH_DELAY_S", NEVER_S)
+    monkeypatch.setattr("runstate._worker.completer.FLUSH_DELAY_S", NEVER_S)
 
     summary, tickets, transport = asyncio.run(gate_scenario("size", 50, concurrency=50))
 
@@ -80,7 +80,7 @@ def test_fifty_waiting_completions_are_sent_at_once_in_one_request(sdk, monkeypa
 
 
 def test_completions_below_the_size_are_sent_once_the_delay_passed(sdk, monkeypatch):
-    monkeypatch.setattr("runstate._worker.FLUSH_SIZE", UNREACHABLE)
+    monkeypatch.setattr("runstate._worker.completer.FLUSH_SIZE", UNREACHABLE)
 
     summary, tickets, transport = asyncio.run(gate_scenario("timed", 5, concurrency=5))
 
@@ -98,8 +98,8 @@ def test_completions_below_the_size_are_sent_once_the_delay_passed(sdk, monkeypa
 
 
 def test_stopping_sends_the_buffered_completions_before_the_loop_returns(sdk, monkeypatch):
-    monkeypatch.setattr("runstate._worker.FLUSH_SIZE", UNREACHABLE)
-    monkeypatch.setattr("runstate._worker.FLUSH_DELAY_S", NEVER_S)
+    monkeypatch.setattr("runstate._worker.completer.FLUSH_SIZE", UNREACHABLE)
+    monkeypatch.setattr("runstate._worker.completer.FLUSH_DELAY_S", NEVER_S)
 
     async def scenario():
         transport = CountingAsyncTransport()
@@ -146,7 +146,7 @@ def test_a_lost_claim_in_a_buffer_is_reported_like_an_unbatched_one(sdk, monkeyp
 
     With a flush size of 1 each completion goes alone: the summary and the log are the same.
     """
-    monkeypatch.setattr("runstate._worker.FLUSH_SIZE", flush_size)
+    monkeypatch.setattr("runstate._worker.completer.FLUSH_SIZE", flush_size)
     stolen = {}
 
     def between(run_id, tickets, contexts):

@@ -1,0 +1,104 @@
+"""One claim held by hand (``claim.hold()``), renewed and recorded by the consume engine's methods."""
+
+import asyncio
+import logging
+from time import monotonic
+from typing import Any
+
+from runstate._async.http import AsyncHttp
+from runstate._async.work import AsyncClaim
+from runstate._errors import RunstateError
+from runstate._worker.contexts import CancellationRequested, _HoldOutcome, _TaskContextBase
+from runstate._worker.engine import Engine, _Held
+
+logger = logging.getLogger("runstate.worker")
+
+
+class Holder:
+    """One claim held by hand (``claim.hold()``): the consume engine's renewer around a block.
+
+    The engine is used without its claim loop: the claim is adopted as a held task whose
+    "handler" is the block (a placeholder future that stays pending while the block runs),
+    so the same renewer renews it, trips its context on a cancel request or a lost lease,
+    and the same record methods complete, fail or release it when the block ends.
+    """
+
+    def __init__(
+        self,
+        http: AsyncHttp,
+        claim: AsyncClaim,
+        ctx: _TaskContextBase,
+        *,
+        lease_ttl_ms: int | None,
+        renew_fraction: float,
+    ) -> None:
+        self.claim = claim
+        self.ctx = ctx
+        self.engine = Engine(
+            http,
+            str(claim.task.get("runId")),
+            str(claim.task.get("mailbox")),
+            make_context=lambda _: ctx,
+            start_handler=self._never,
+            concurrency=1,
+            lease_ttl_ms=lease_ttl_ms,
+            worker_id=None,
+            claim_wait_ms=0,
+            renew_fraction=renew_fraction,
+            drain_timeout=0,
+            handle_signals=False,
+        )
+        self.held = _Held(claim, ctx)
+        self._renewer: asyncio.Task[None] | None = None
+
+    @staticmethod
+    async def _never(ctx: _TaskContextBase) -> Any:
+        raise AssertionError("a held claim has no handler")  # pragma: no cover
+
+    async def enter(self) -> None:
+        """Start renewing (every ``renew_fraction`` of the lease TTL: the given one, else the mailbox's)."""
+        engine = self.engine
+        engine._ttl_s = await engine._lease_ttl_ms(engine.lease_ttl_ms) / 1000
+        held = self.held
+        held.handler = asyncio.get_running_loop().create_future()  # pending while the block runs
+        held.lease_until = monotonic() + engine._ttl_s
+        held.started = monotonic()
+        if self.claim.cancellation_requested:
+            self.ctx._trip("cancellation_requested")
+        engine._held[self.claim.id] = held
+        self._renewer = asyncio.create_task(engine._renew_loop(), name=f"runstate-hold-{self.claim.task_id}")
+
+    async def exit(self, error: BaseException | None) -> RunstateError | None:
+        """Stop renewing and record what the block did, as ``consume`` records a handler's end.
+
+        Returns the service's refusal of that record (``None`` when it was recorded).
+        """
+        if self._renewer is not None:
+            # No renewal may race the record (a renewal after a complete would be refused and trip the signal).
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+        engine, held, ctx = self.engine, self.held, self.ctx
+        engine._held.pop(self.claim.id, None)
+        if held.handler is not None and not held.handler.done():
+            held.handler.cancel()
+        released = isinstance(ctx, _HoldOutcome) and ctx.released
+        cancel_requested = ctx.stop_reason == "cancellation_requested" or self.claim.cancellation_requested
+        if error is not None and not isinstance(error, Exception):
+            # Cancelled from outside (or KeyboardInterrupt): hand the task back, as a stopping worker does.
+            await engine._release(self.claim)
+        elif isinstance(error, CancellationRequested):
+            if ctx.stop_reason == "cancellation_requested":
+                await engine._record_outcome(held, None)  # the abort acknowledges the request
+        elif error is not None:
+            await engine._record_failure(held, error)
+        elif released and not cancel_requested:
+            try:
+                await self.claim.release()
+            except RunstateError as exc:
+                held.refusal = exc
+            else:
+                logger.info("task %s attempt %d: released", self.claim.task_id, self.claim.attempt)
+        else:
+            outcome = ctx.outcome if isinstance(ctx, _HoldOutcome) and not released else None
+            await engine._record_outcome(held, outcome)
+        return held.refusal
