@@ -9,8 +9,17 @@
  * a handler's context that says whether (and why) it should stop.
  */
 
-import { RateLimitedError, ScopeInactiveError, ServerError, ServiceUnavailableError, TransportError } from './errors.js';
-import { sleep } from './http.js';
+import {
+  LeaseLostError,
+  NotFoundError,
+  RateLimitedError,
+  ScopeInactiveError,
+  ServerError,
+  ServiceUnavailableError,
+  TransportError,
+} from './errors.js';
+import { Http, segment, sleep } from './http.js';
+import type { Mailbox } from './types.js';
 
 /** Why a handler's signal aborted. */
 export type StopReason = 'cancellation_requested' | 'lease_lost' | 'scope_refused' | 'stopping';
@@ -34,6 +43,11 @@ export function isTransient(error: unknown): boolean {
     error instanceof RateLimitedError ||
     error instanceof ServerError
   );
+}
+
+/** Whether a refused record (or answer) is the expected kind: the lease is gone or the run refuses work. */
+export function isExpectedRefusal(error: unknown): boolean {
+  return error instanceof LeaseLostError || error instanceof ScopeInactiveError || error instanceof NotFoundError;
 }
 
 function defaultLog(level: 'info' | 'warn' | 'error', message: string): void {
@@ -106,13 +120,13 @@ export interface HeldItem {
   done: Promise<void>;
 }
 
-/** Return the `drop`/`dropped` pair of a new held item. */
-export function dropSwitch(): { drop: () => void; dropped: Promise<void> } {
+/** Return the state of an item that has just started (everything of `HeldItem` but its context). */
+export function freshHeld(): Omit<HeldItem, 'context'> {
   let drop: () => void = () => undefined;
   const dropped = new Promise<void>((resolve) => {
     drop = resolve;
   });
-  return { drop, dropped };
+  return { lost: false, abandoned: false, recording: false, drop, dropped, done: Promise.resolve() };
 }
 
 /** The counters every loop's summary has. */
@@ -145,8 +159,7 @@ function onSigterm(): void {
 /**
  * A loop on one run and mailbox: `await loop.run()`; `loop.stop()` ends it.
  *
- * A subclass fills `summary`, and says how to prepare (`prepare`), fetch up to `max` items
- * (`fetch`), start one (`start`, which adds it to `held`), hand back one it will not run
+ * A subclass fills `summary`, and says how to fetch up to `max` items (`fetch`), start one (`start`, which adds it to `held`), hand back one it will not run
  * (`handBack`), hand back a held one whose handler is given up on (`abandon`) and name one
  * for the log (`label`); `background` runs beside the fetch loop until it ends.
  */
@@ -162,10 +175,20 @@ export abstract class FetchLoop<Item, H extends HeldItem, S extends LoopSummary>
   private readonly handleSignals: boolean;
   private readonly externalSignal: AbortSignal | undefined;
   private readonly fetchWaitMs: number;
+  /** The lease of each item (a claim's lease, a delivery's visibility), known once `run()` starts. */
+  protected leaseMs = 30_000;
+  private readonly leaseOption: number | undefined;
   private changed: (() => void) | null = null;
   private started = false;
 
-  protected constructor(runId: string, mailbox: string, options: LoopOptions, fetchWaitMs: number) {
+  /** `leaseMs`: the lease option (`undefined`: the mailbox's `leaseTtlMs`); `fetchWaitMs`: the fetch's long-poll. */
+  protected constructor(
+    protected readonly http: Http,
+    runId: string,
+    mailbox: string,
+    options: LoopOptions,
+    { leaseMs, fetchWaitMs }: { leaseMs: number | undefined; fetchWaitMs: number },
+  ) {
     const concurrency = options.concurrency ?? 1;
     if (!Number.isInteger(concurrency) || concurrency < 1) throw new RangeError('concurrency must be an integer >= 1');
     this.runId = runId;
@@ -176,9 +199,9 @@ export abstract class FetchLoop<Item, H extends HeldItem, S extends LoopSummary>
     this.log = options.log ?? defaultLog;
     this.externalSignal = options.signal;
     this.fetchWaitMs = fetchWaitMs;
+    this.leaseOption = leaseMs;
   }
 
-  protected abstract prepare(): Promise<void>;
   protected abstract fetch(max: number, signal: AbortSignal): Promise<Item[]>;
   protected abstract start(item: Item): void;
   protected abstract handBack(item: Item): Promise<void>;
@@ -223,7 +246,12 @@ export abstract class FetchLoop<Item, H extends HeldItem, S extends LoopSummary>
     const backgroundStop = new AbortController();
     let background: Promise<void> | null = null;
     try {
-      await this.prepare();
+      if (this.leaseOption === undefined) {
+        const mailbox = await this.http.request<Mailbox>('GET', `/mailboxes/${segment(this.mailbox)}`, { idempotent: true });
+        this.leaseMs = mailbox.leaseTtlMs;
+      } else {
+        this.leaseMs = this.leaseOption;
+      }
       background = this.background(backgroundStop.signal);
       try {
         await this.fetchLoop();

@@ -12,20 +12,21 @@
  * waiting for a lost handler and drops its result; pass `context.signal` to your I/O.
  */
 
-import { LeaseLostError, NotFoundError, ScopeInactiveError } from './errors.js';
-import { Http, segment, sleep } from './http.js';
+import { ScopeInactiveError } from './errors.js';
+import { Http, sleep } from './http.js';
 import {
   FetchLoop,
   HandlerContext,
   MIN_RENEW_INTERVAL_MS,
-  dropSwitch,
+  freshHeld,
+  isExpectedRefusal,
   isTransient,
   settle,
   type HeldItem,
   type LoopOptions,
   type LoopSummary,
 } from './loop.js';
-import type { DeliveryData, Mailbox, MessageData } from './types.js';
+import type { DeliveryData, MessageData } from './types.js';
 import { Delivery, Messages } from './work.js';
 
 /** The server's cap on `max` of one receive. */
@@ -143,44 +144,32 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
   };
   private readonly messages: Messages;
   private readonly handler: MessageHandler<unknown>;
-  private readonly visibilityOption: number | undefined;
   private readonly retryDelayMs: number;
   private readonly receiveWaitMs: number;
   private readonly extendFraction: number;
-  private visibilityMs = 30_000;
 
   constructor(
-    private readonly http: Http,
+    http: Http,
     runId: string,
     mailbox: string,
     handler: MessageHandler<any>,
     options: MessageConsumeOptions = {},
   ) {
     const receiveWaitMs = Math.max(0, Math.min(options.receiveWaitMs ?? 30_000, 30_000));
-    super(runId, mailbox, options, receiveWaitMs);
+    super(http, runId, mailbox, options, { leaseMs: options.visibilityMs, fetchWaitMs: receiveWaitMs });
     const extendFraction = options.extendFraction ?? 1 / 3;
     if (!(extendFraction > 0 && extendFraction < 1)) throw new RangeError('extendFraction must be between 0 and 1');
     this.messages = new Messages(http, runId);
     this.handler = handler;
-    this.visibilityOption = options.visibilityMs;
     this.retryDelayMs = options.retryDelayMs ?? 0;
     this.receiveWaitMs = receiveWaitMs;
     this.extendFraction = extendFraction;
   }
 
-  protected async prepare(): Promise<void> {
-    if (this.visibilityOption === undefined) {
-      const mailbox = await this.http.request<Mailbox>('GET', `/mailboxes/${segment(this.mailbox)}`, { idempotent: true });
-      this.visibilityMs = mailbox.leaseTtlMs;
-    } else {
-      this.visibilityMs = this.visibilityOption;
-    }
-  }
-
   protected fetch(max: number, signal: AbortSignal): Promise<Delivery[]> {
     return this.messages.receive(this.mailbox, {
       max: Math.min(max, MAX_DELIVERIES_PER_CALL),
-      visibilityMs: this.visibilityMs,
+      visibilityMs: this.leaseMs,
       waitMs: this.receiveWaitMs,
       signal,
     });
@@ -204,12 +193,8 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
     const held: Held = {
       delivery,
       context: new MessageContext<unknown>(delivery),
-      visibleUntil: Date.now() + this.visibilityMs,
-      lost: false,
-      abandoned: false,
-      recording: false,
-      ...dropSwitch(),
-      done: Promise.resolve(),
+      visibleUntil: Date.now() + this.leaseMs,
+      ...freshHeld(),
     };
     this.held.set(delivery.id, held);
     held.done = this.supervise(held);
@@ -250,7 +235,7 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
    * have run out; a refusal (the run's code, `LEASE_LOST`) loses the delivery.
    */
   private async keepVisible(held: Held, signal: AbortSignal): Promise<void> {
-    const interval = Math.max(MIN_RENEW_INTERVAL_MS, this.visibilityMs * this.extendFraction);
+    const interval = Math.max(MIN_RENEW_INTERVAL_MS, this.leaseMs * this.extendFraction);
     while (!held.lost) {
       try {
         await sleep(interval, signal);
@@ -259,7 +244,7 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
       }
       const sent = Date.now();
       try {
-        await held.delivery.extend(this.visibilityMs);
+        await held.delivery.extend(this.leaseMs);
       } catch (error) {
         if (error instanceof ScopeInactiveError) {
           this.lose(held, 'scope_refused');
@@ -276,7 +261,7 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
         this.lose(held, 'lease_lost');
         return;
       }
-      held.visibleUntil = sent + this.visibilityMs;
+      held.visibleUntil = sent + this.leaseMs;
     }
   }
 
@@ -288,8 +273,7 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
     } catch (error) {
       this.summary.lost += 1;
       held.context.markLost(error instanceof ScopeInactiveError ? 'scope_refused' : 'lease_lost');
-      const expected = error instanceof LeaseLostError || error instanceof ScopeInactiveError || error instanceof NotFoundError;
-      this.log(expected ? 'info' : 'error', `message ${held.delivery.messageId}: answer not recorded (${String(error)})`);
+      this.log(isExpectedRefusal(error) ? 'info' : 'error', `message ${held.delivery.messageId}: answer not recorded (${String(error)})`);
       return;
     }
     if (counter === 'retried' && message.state === 'DEAD_LETTERED') {

@@ -13,20 +13,21 @@
 
 import { hostname } from 'node:os';
 
-import { LeaseLostError, NotFoundError, RunstateError, ScopeInactiveError } from './errors.js';
-import { Http, segment, sleep } from './http.js';
+import { RunstateError, ScopeInactiveError } from './errors.js';
+import { Http, sleep } from './http.js';
 import {
   FetchLoop,
   HandlerContext,
   MIN_RENEW_INTERVAL_MS,
-  dropSwitch,
+  freshHeld,
+  isExpectedRefusal,
   isTransient,
   settle,
   type HeldItem,
   type LoopOptions,
   type LoopSummary,
 } from './loop.js';
-import type { Mailbox, TaskData } from './types.js';
+import type { TaskData } from './types.js';
 import { Claim, MAX_CLAIM_BATCH, Tasks, type ClaimResult } from './work.js';
 
 export type { StopReason } from './loop.js';
@@ -138,20 +139,19 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
   private readonly leaseTtlMs: number | undefined;
   private readonly claimWaitMs: number;
   private readonly renewFraction: number;
-  private ttlMs = 30_000;
   private batchRenew = true;
   private batchComplete = true;
   private pendingCompletes: { claim: Claim; outcome: unknown; settle: (result: ClaimResult) => void }[] = [];
 
   constructor(
-    private readonly http: Http,
+    http: Http,
     runId: string,
     mailbox: string,
     handler: Handler<any> | TaskDefinition<any>,
     options: ConsumeOptions = {},
   ) {
     const claimWaitMs = Math.max(0, Math.min(options.claimWaitMs ?? 30_000, 30_000));
-    super(runId, mailbox, options, claimWaitMs);
+    super(http, runId, mailbox, options, { leaseMs: options.leaseTtlMs, fetchWaitMs: claimWaitMs });
     const renewFraction = options.renewFraction ?? 1 / 3;
     if (!(renewFraction > 0 && renewFraction < 1)) throw new RangeError('renewFraction must be between 0 and 1');
     this.tasks = new Tasks(http, runId);
@@ -160,15 +160,6 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
     this.workerId = options.workerId ?? `${hostname()}:${process.pid}:${Math.random().toString(16).slice(2, 10)}`;
     this.claimWaitMs = claimWaitMs;
     this.renewFraction = renewFraction;
-  }
-
-  protected async prepare(): Promise<void> {
-    if (this.leaseTtlMs === undefined) {
-      const mailbox = await this.http.request<Mailbox>('GET', `/mailboxes/${segment(this.mailbox)}`, { idempotent: true });
-      this.ttlMs = mailbox.leaseTtlMs;
-    } else {
-      this.ttlMs = this.leaseTtlMs;
-    }
   }
 
   protected override background(signal: AbortSignal): Promise<void> {
@@ -214,12 +205,8 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
     const held: Held = {
       claim,
       context,
-      leaseUntil: Date.now() + this.ttlMs,
-      lost: false,
-      abandoned: false,
-      recording: false,
-      ...dropSwitch(),
-      done: Promise.resolve(),
+      leaseUntil: Date.now() + this.leaseMs,
+      ...freshHeld(),
     };
     this.held.set(claim.id, held);
     if (claim.cancellationRequested) context.trip('cancellation_requested');
@@ -278,8 +265,7 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
       return;
     }
     this.summary.lost += 1;
-    const expected = error instanceof LeaseLostError || error instanceof ScopeInactiveError || error instanceof NotFoundError;
-    this.log(expected ? 'info' : 'error', `task ${held.claim.taskId}: result not recorded (${String(error)})`);
+    this.log(isExpectedRefusal(error) ? 'info' : 'error', `task ${held.claim.taskId}: result not recorded (${String(error)})`);
   }
 
   private async release(claim: Claim): Promise<void> {
@@ -338,7 +324,7 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
   // Renewing, batched: every held lease in one request per interval.
 
   private async renewLoop(signal: AbortSignal): Promise<void> {
-    const interval = Math.max(MIN_RENEW_INTERVAL_MS, this.ttlMs * this.renewFraction);
+    const interval = Math.max(MIN_RENEW_INTERVAL_MS, this.leaseMs * this.renewFraction);
     while (!signal.aborted) {
       try {
         await sleep(interval, signal);
@@ -387,7 +373,7 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
       const result = results?.[index];
       if (result === undefined) return;
       if (result.ok) {
-        if (result.claim !== undefined) held.leaseUntil = sent + this.ttlMs;
+        if (result.claim !== undefined) held.leaseUntil = sent + this.leaseMs;
         if (held.claim.cancellationRequested) held.context.trip('cancellation_requested');
       } else if (result.error instanceof ScopeInactiveError) {
         this.lose(held, 'scope_refused');

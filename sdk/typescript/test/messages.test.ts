@@ -8,7 +8,15 @@ import assert from 'node:assert/strict';
 import { once } from 'node:events';
 import { describe, test } from 'node:test';
 
-import { Reject, Runstate, type EventData, type MessageContext, type MessageData } from '../src/index.js';
+import {
+  Reject,
+  Runstate,
+  type EventData,
+  type MessageContext,
+  type MessageData,
+  type MessageSummary,
+  type MessageWorker,
+} from '../src/index.js';
 import { consumerProcess, requiredEnv, unique, until } from './support.js';
 
 const VISIBILITY_MS = 600; // extends every 200 ms
@@ -43,6 +51,39 @@ async function retryElsewhere(deliveryId: string): Promise<void> {
   assert.equal(response.status, 200, await response.text());
 }
 
+/**
+ * Send one message, start a message loop on it in a child process, SIGTERM it once its handler
+ * started; return the summary line it printed, its exit code and the message afterwards.
+ */
+async function sigtermed(
+  prefix: string,
+  options: { leaseTtlMs: number; mode: 'hang' | 'finish'; drainMs?: number },
+): Promise<{ summary: string; code: number | null; message: MessageData }> {
+  const rs = new Runstate();
+  const mailbox = unique(prefix);
+  await rs.mailboxes.ensure(mailbox, { mode: 'QUEUE', leaseTtlMs: options.leaseTtlMs });
+  const run = await rs.scopes.create();
+  const sent = await run.messages.send(mailbox, { job: 1 });
+  const consumer = consumerProcess(run.id, mailbox, options.mode, { loop: 'messages', ...options });
+  try {
+    assert.equal(await consumer.next(), `received ${sent.id} 1`);
+    consumer.child.kill('SIGTERM');
+    const summary = await consumer.next();
+    const [code] = (await once(consumer.child, 'exit')) as [number | null];
+    return { summary, code, message: await rs.messages.retrieve(sent.id) };
+  } finally {
+    if (consumer.child.exitCode === null && consumer.child.signalCode === null) consumer.child.kill('SIGKILL');
+  }
+}
+
+/** Run `worker` until `done(summary)` holds, then stop it; return its summary. */
+async function runUntil(worker: MessageWorker, done: (summary: MessageSummary) => boolean, what: string) {
+  const running = worker.run();
+  await until(() => done(worker.summary), what);
+  worker.stop();
+  return running;
+}
+
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
@@ -69,10 +110,7 @@ describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
       },
       { concurrency: 3, handleSignals: false },
     );
-    const running = worker.run();
-    await until(() => worker.summary.completed >= 10, '10 completions');
-    worker.stop();
-    const summary = await running;
+    const summary = await runUntil(worker, (done) => done.completed >= 10, '10 completions');
 
     assert.deepEqual(
       seen.map(([, , , n]) => n).sort((a, b) => a - b),
@@ -107,10 +145,7 @@ describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
       },
       { retryDelayMs: 300, handleSignals: false, log: () => undefined },
     );
-    const running = worker.run();
-    await until(() => worker.summary.completed >= 1, 'the second attempt');
-    worker.stop();
-    const summary = await running;
+    const summary = await runUntil(worker, (done) => done.completed >= 1, 'the second attempt');
 
     assert.deepEqual(attempts, [1, 2]);
     assert.deepEqual([summary.retried, summary.completed], [1, 1]);
@@ -132,10 +167,7 @@ describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
       },
       { handleSignals: false },
     );
-    const running = worker.run();
-    await until(() => worker.summary.rejected >= 1, 'the reject');
-    worker.stop();
-    const summary = await running;
+    const summary = await runUntil(worker, (done) => done.rejected >= 1, 'the reject');
 
     assert.deepEqual([summary.rejected, summary.retried, summary.completed], [1, 0, 0]);
     const row = await rs.messages.retrieve(message.id);
@@ -155,10 +187,7 @@ describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
       },
       { handleSignals: false, log: () => undefined },
     );
-    const running = worker.run();
-    await until(() => worker.summary.deadLettered >= 1, 'the dead letter');
-    worker.stop();
-    const summary = await running;
+    const summary = await runUntil(worker, (done) => done.deadLettered >= 1, 'the dead letter');
 
     assert.deepEqual(attempts, [1, 2]);
     assert.deepEqual([summary.retried, summary.deadLettered, summary.rejected, summary.completed], [1, 1, 0, 0]);
@@ -183,10 +212,7 @@ describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
       },
       { concurrency: 2, visibilityMs: VISIBILITY_MS, receiveWaitMs: 200, handleSignals: false },
     );
-    const running = worker.run();
-    await until(() => worker.summary.completed >= 1, 'the slow handler');
-    worker.stop();
-    const summary = await running;
+    const summary = await runUntil(worker, (done) => done.completed >= 1, 'the slow handler');
 
     assert.deepEqual(calls, [1]);
     assert.deepEqual([summary.completed, summary.lost], [1, 0]);
@@ -267,47 +293,16 @@ describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
   });
 
   test('SIGTERM lets the running handler finish and completes its message', async () => {
-    const rs = new Runstate();
-    const mailbox = unique('msg-sigterm');
-    await rs.mailboxes.ensure(mailbox, { mode: 'QUEUE', leaseTtlMs: 3000 });
-    const run = await rs.scopes.create();
-    const message = await run.messages.send(mailbox, { job: 1 });
-    const consumer = consumerProcess(run.id, mailbox, 'finish', { loop: 'messages' });
-    try {
-      assert.equal(await consumer.next(), `received ${message.id} 1`);
-      consumer.child.kill('SIGTERM');
-      assert.equal(
-        await consumer.next(),
-        'summary completed=1 retried=0 rejected=0 deadLettered=0 lost=0 released=0 stopReason=stopped',
-      );
-      const [code] = (await once(consumer.child, 'exit')) as [number | null];
-      assert.equal(code, 0);
-    } finally {
-      if (consumer.child.exitCode === null && consumer.child.signalCode === null) consumer.child.kill('SIGKILL');
-    }
-    assert.equal((await rs.messages.retrieve(message.id)).state, 'COMPLETED');
+    const { summary, code, message } = await sigtermed('msg-sigterm', { leaseTtlMs: 3000, mode: 'finish' });
+    assert.equal(summary, 'summary completed=1 retried=0 rejected=0 deadLettered=0 lost=0 released=0 stopReason=stopped');
+    assert.equal(code, 0);
+    assert.equal(message.state, 'COMPLETED');
   });
 
   test('SIGTERM puts back a message whose handler outlives the drain timeout', async () => {
-    const rs = new Runstate();
-    const mailbox = unique('msg-drained');
-    await rs.mailboxes.ensure(mailbox, { mode: 'QUEUE', leaseTtlMs: 30_000 });
-    const run = await rs.scopes.create();
-    const message = await run.messages.send(mailbox, { job: 1 });
-    const consumer = consumerProcess(run.id, mailbox, 'hang', { drainMs: 500, loop: 'messages' });
-    try {
-      assert.equal(await consumer.next(), `received ${message.id} 1`);
-      consumer.child.kill('SIGTERM');
-      assert.equal(
-        await consumer.next(),
-        'summary completed=0 retried=0 rejected=0 deadLettered=0 lost=0 released=1 stopReason=stopped',
-      );
-      const [code] = (await once(consumer.child, 'exit')) as [number | null];
-      assert.equal(code, 0); // the hanging handler does not keep the process alive
-    } finally {
-      if (consumer.child.exitCode === null && consumer.child.signalCode === null) consumer.child.kill('SIGKILL');
-    }
-    const row = await rs.messages.retrieve(message.id);
-    assert.deepEqual([row.state, row.attempts], ['QUEUED', 1]); // back in the queue at once, not after 30 s
+    const { summary, code, message } = await sigtermed('msg-drained', { leaseTtlMs: 30_000, mode: 'hang', drainMs: 500 });
+    assert.equal(summary, 'summary completed=0 retried=0 rejected=0 deadLettered=0 lost=0 released=1 stopReason=stopped');
+    assert.equal(code, 0); // the hanging handler does not keep the process alive
+    assert.deepEqual([message.state, message.attempts], ['QUEUED', 1]); // back in the queue at once, not after 30 s
   });
 });
