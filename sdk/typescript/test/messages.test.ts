@@ -19,7 +19,9 @@ import {
 } from '../src/index.js';
 import { consumerProcess, requiredEnv, unique, until } from './support.js';
 
-const VISIBILITY_MS = 600; // extends every 200 ms
+// Extends every 2/3 s: a handler outliving it needs several, and a loaded machine still has
+// over a second to get each one through before the visibility runs out.
+const VISIBILITY_MS = 2_000;
 
 async function queueWith(rs: Runstate, prefix: string, bodies: unknown[], options: { maxAttempts?: number } = {}) {
   const mailbox = unique(prefix);
@@ -207,7 +209,7 @@ describe('consumeMessages', { concurrency: true, timeout: 240_000 }, () => {
       mailbox,
       async ({ attempt }) => {
         calls.push(attempt);
-        await sleep(VISIBILITY_MS * 5);
+        await sleep(VISIBILITY_MS * 3);
         return 'ok';
       },
       { concurrency: 2, visibilityMs: VISIBILITY_MS, receiveWaitMs: 200, handleSignals: false },
