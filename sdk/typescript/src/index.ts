@@ -1,6 +1,6 @@
 /**
- * `@runstate/client`: the TypeScript client of runstate, and a worker loop whose handlers get an
- * `AbortSignal` that aborts on cancellation.
+ * `@runstate/client`: the TypeScript client of runstate, and worker loops (tasks and queue
+ * messages) whose handlers get an `AbortSignal` that aborts on cancellation.
  *
  *     import { Runstate } from '@runstate/client';
  *
@@ -19,6 +19,7 @@ export {
 } from './admissions.js';
 export { Budget, Budgets, Reservation, type BudgetData, type ReservationData, type ReserveOptions } from './budgets.js';
 export { Events, Mailboxes, Runstate, type EventFilter } from './client.js';
+export { HandlerContext, type LoopLog, type LoopOptions, type LoopSummary } from './loop.js';
 export { Barrier, Barriers, Timer, Timers, type ArmedTimer, type FiredTimer } from './clock.js';
 export {
   AuthenticationError,
@@ -44,6 +45,14 @@ export {
   type ErrorDetails,
 } from './errors.js';
 export { Group, Groups, type GroupCreateOptions } from './groups.js';
+export {
+  MessageContext,
+  MessageWorker,
+  Reject,
+  type MessageConsumeOptions,
+  type MessageHandler,
+  type MessageSummary,
+} from './message-worker.js';
 export {
   PoolLease,
   Pools,

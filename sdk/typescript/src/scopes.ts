@@ -6,6 +6,7 @@ import { Barriers, Timers } from './clock.js';
 import { Groups } from './groups.js';
 import { Http, compact, segment, wireTime } from './http.js';
 import type { Page, RunData, RunState } from './types.js';
+import { MessageWorker, type MessageConsumeOptions, type MessageHandler, type MessageSummary } from './message-worker.js';
 import { Messages, Tasks } from './work.js';
 import { Worker, type ConsumeOptions, type ConsumeSummary, type Handler, type TaskDefinition } from './worker.js';
 
@@ -22,7 +23,7 @@ export interface RunCreateOptions {
  * A handle on a run; making one (`rs.scope(id)`) sends no request.
  *
  * `groups`, `barriers`, `timers`, `tasks` and `messages` create and find objects under this run;
- * `consume` runs a worker loop on it. `data` is the run as last seen.
+ * `consume` runs a worker loop on it, `consumeMessages` a message loop. `data` is the run as last seen.
  */
 export class Scope {
   readonly id: string;
@@ -106,6 +107,31 @@ export class Scope {
     options: ConsumeOptions = {},
   ): Promise<ConsumeSummary> {
     return this.worker(mailbox, handler, options).run();
+  }
+
+  /** Return a message loop on this run (start it with `run()`, end it with `stop()`); see `consumeMessages`. */
+  messageWorker<B = unknown>(mailbox: string, handler: MessageHandler<B>, options: MessageConsumeOptions = {}): MessageWorker {
+    return new MessageWorker(this.http, this.id, mailbox, handler, options);
+  }
+
+  /**
+   * Receive this run's messages of the QUEUE `mailbox` and run `handler(context)` on each, `concurrency` at a time.
+   *
+   * Each delivery is hidden for `visibilityMs` (default: the mailbox's `leaseTtlMs`) and
+   * extended in the background every `extendFraction` of it while the handler runs. A return
+   * acknowledges the message; a throw puts it back, visible again after `retryDelayMs`; a
+   * `Reject(reason)` dead-letters it. `context.signal` aborts and `context.isLost()` is true
+   * when the delivery is lost (an extend or the answer refused with the run's code or
+   * `LEASE_LOST`): nothing more is sent for it. Resolves with a summary when the run refuses
+   * work (cancelled, completed, past its deadline) or on `SIGTERM` / `stop()` / the `signal`
+   * option: running handlers get `drainTimeoutMs` to finish, then their messages are put back.
+   */
+  consumeMessages<B = unknown>(
+    mailbox: string,
+    handler: MessageHandler<B>,
+    options: MessageConsumeOptions = {},
+  ): Promise<MessageSummary> {
+    return this.messageWorker(mailbox, handler, options).run();
   }
 }
 

@@ -81,9 +81,15 @@ export interface MessageData {
   runId: string;
   key: string | null;
   body: JsonValue;
+  /** `QUEUED`, `IN_FLIGHT`, `COMPLETED`, `DEAD_LETTERED` or `CANCELLED`. */
   state: string;
   attempts: number;
   createdAt: string;
+  /** When it can be received (again). */
+  visibleAt: string | null;
+  finishedAt: string | null;
+  /** Why it was dead-lettered: a `reject`'s reason, or `max_attempts` (delivered the mailbox's `maxAttempts` times). */
+  deadLetterReason: string | null;
 }
 
 export interface DeliveryData {

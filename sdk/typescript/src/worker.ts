@@ -6,46 +6,34 @@
  * `context.signal`, an `AbortSignal` that aborts when cancellation is requested, when the lease
  * is lost, when the run refuses work, or when the worker gives up on it while stopping. Pass it
  * to `fetch` and other I/O so that work in flight rejects at once.
+ *
+ * The fetch loop, stopping (`SIGTERM`, `stop()`, draining) and the context's signal are
+ * `loop.ts`'s, shared with the message loop (`message-worker.ts`).
  */
 
 import { hostname } from 'node:os';
 
+import { RunstateError, ScopeInactiveError } from './errors.js';
+import { Http, sleep } from './http.js';
 import {
-  LeaseLostError,
-  NotFoundError,
-  RateLimitedError,
-  RunstateError,
-  ScopeInactiveError,
-  ServerError,
-  ServiceUnavailableError,
-  TransportError,
-} from './errors.js';
-import { Http, segment, sleep } from './http.js';
-import type { Mailbox, TaskData } from './types.js';
+  FetchLoop,
+  HandlerContext,
+  MIN_RENEW_INTERVAL_MS,
+  freshHeld,
+  isExpectedRefusal,
+  isTransient,
+  settle,
+  type HeldItem,
+  type LoopOptions,
+  type LoopSummary,
+} from './loop.js';
+import type { TaskData } from './types.js';
 import { Claim, MAX_CLAIM_BATCH, Tasks, type ClaimResult } from './work.js';
 
-/** Why a handler's signal aborted. */
-export type StopReason = 'cancellation_requested' | 'lease_lost' | 'scope_refused' | 'stopping';
-
-// How long to pause after a transient claim failure: doubles per failure up to the cap.
-const CLAIM_BACKOFF_MS = 500;
-const CLAIM_BACKOFF_MAX_MS = 15_000;
-// A renewal must leave room to reach the server before the lease runs out.
-const MIN_RENEW_INTERVAL_MS = 50;
-// With a short (or no) claim long-poll, pause this long after an empty answer instead of spinning.
-const IDLE_PAUSE_MS = 500;
-
-function isTransient(error: unknown): boolean {
-  return (
-    error instanceof TransportError ||
-    error instanceof ServiceUnavailableError ||
-    error instanceof RateLimitedError ||
-    error instanceof ServerError
-  );
-}
+export type { StopReason } from './loop.js';
 
 /** What a handler gets: the claimed task, and whether (and why) it should stop. */
-export class TaskContext<I = unknown> {
+export class TaskContext<I = unknown> extends HandlerContext {
   /** The task's input (parsed by the task's `schema`, when it has one). */
   readonly input: I;
   readonly task: TaskData;
@@ -54,40 +42,19 @@ export class TaskContext<I = unknown> {
   /** 1 for the first claim of the task, 2 after a retry or a takeover... */
   readonly attempt: number;
   readonly key: string | null;
-  /** Aborts when cancellation is requested, the lease is lost, the run refuses work, or the worker gives up. */
-  readonly signal: AbortSignal;
-  /** Why `signal` aborted (`null` while it has not). */
-  stopReason: StopReason | null = null;
-  private readonly controller: AbortController;
+  // `signal` aborts when cancellation is requested, the lease is lost, the run refuses work, or
+  // the worker gives up; `isCancellationRequested` and `throwIfCancellationRequested` are bound
+  // to the context, so a handler may destructure them (see HandlerContext).
 
   /** @internal */
-  constructor(claim: Claim, input: I, controller: AbortController) {
+  constructor(claim: Claim, input: I) {
+    super(`task ${claim.taskId}`);
     this.task = claim.task;
     this.taskId = claim.taskId;
     this.claimId = claim.id;
     this.attempt = claim.attempt;
     this.key = claim.task.key;
     this.input = input;
-    this.controller = controller;
-    this.signal = controller.signal;
-  }
-
-  // The two checks are bound to this context (arrow properties, not prototype methods), so a
-  // handler may destructure them: `async ({ input, signal, isCancellationRequested }) => ...`.
-
-  /** Return whether the handler should stop (cancellation requested, lease lost, run refused or stopping). */
-  readonly isCancellationRequested = (): boolean => this.signal.aborted;
-
-  /** Throw the signal's reason (an `AbortError`) if the handler should stop. */
-  readonly throwIfCancellationRequested = (): void => {
-    this.signal.throwIfAborted();
-  };
-
-  /** @internal Abort the signal, remembering the first reason. */
-  trip(reason: StopReason): void {
-    if (this.stopReason !== null) return;
-    this.stopReason = reason;
-    this.controller.abort(new DOMException(`runstate: ${reason.replace('_', ' ')} (task ${this.taskId})`, 'AbortError'));
   }
 }
 
@@ -125,7 +92,7 @@ function isDefinition(value: unknown): value is TaskDefinition<unknown> {
 }
 
 /** What a worker loop did before it resolved. */
-export interface ConsumeSummary {
+export interface ConsumeSummary extends LoopSummary {
   /** Outcomes recorded (`SUCCEEDED`, or `CANCELLED` when cancellation was requested). */
   completed: number;
   /** Failures recorded. */
@@ -138,9 +105,8 @@ export interface ConsumeSummary {
   stopReason: string;
 }
 
-export interface ConsumeOptions {
-  /** Handlers running at once (default 1). */
-  concurrency?: number;
+/** `concurrency`, `drainTimeoutMs`, `handleSignals`, `signal` and `log` (see `LoopOptions`), and: */
+export interface ConsumeOptions extends LoopOptions {
   /** The lease of each claim (default: the mailbox's `leaseTtlMs`). */
   leaseTtlMs?: number;
   workerId?: string;
@@ -148,38 +114,12 @@ export interface ConsumeOptions {
   claimWaitMs?: number;
   /** Renew leases every this fraction of their TTL (default 1/3). */
   renewFraction?: number;
-  /** When stopping, how long running handlers get to finish before their tasks are released (default 30 000). */
-  drainTimeoutMs?: number;
-  /** Stop on `SIGTERM` (default true). */
-  handleSignals?: boolean;
-  /** Stop when this signal aborts. */
-  signal?: AbortSignal;
-  /** Where the loop reports what it does (default: warnings and errors to `console.error`). */
-  log?: (level: 'info' | 'warn' | 'error', message: string) => void;
 }
 
-interface Held {
-  claim: Claim;
-  context: TaskContext<unknown>;
+interface Held extends HeldItem {
+  readonly claim: Claim;
+  readonly context: TaskContext<unknown>;
   leaseUntil: number;
-  /** The claim is gone: nothing may be recorded. */
-  lost: boolean;
-  /** The worker gave up on the handler while stopping: its task is released. */
-  abandoned: boolean;
-  /** The handler settled: its result is being recorded (renewals leave it alone). */
-  recording: boolean;
-  drop: () => void;
-  done: Promise<void>;
-}
-
-// SIGTERM stops every running worker of the process; one listener, removed with the last worker.
-const sigtermWorkers = new Set<Worker>();
-function onSigterm(): void {
-  for (const worker of [...sigtermWorkers]) worker.stop();
-}
-
-function defaultLog(level: 'info' | 'warn' | 'error', message: string): void {
-  if (level !== 'info') console.error(`runstate worker: ${message}`);
 }
 
 /** Return the failure record of a handler's error. */
@@ -191,170 +131,66 @@ export function describeError(error: unknown): Record<string, unknown> {
 }
 
 /** A worker loop on one run and mailbox: `await worker.run()`; `worker.stop()` ends it. */
-export class Worker {
-  readonly runId: string;
-  readonly mailbox: string;
+export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
   readonly workerId: string;
   readonly summary: ConsumeSummary = { completed: 0, failed: 0, lost: 0, released: 0, stopReason: '' };
   private readonly tasks: Tasks;
   private readonly handler: Handler<unknown> | TaskDefinition<unknown>;
-  private readonly concurrency: number;
   private readonly leaseTtlMs: number | undefined;
   private readonly claimWaitMs: number;
   private readonly renewFraction: number;
-  private readonly drainTimeoutMs: number;
-  private readonly handleSignals: boolean;
-  private readonly log: (level: 'info' | 'warn' | 'error', message: string) => void;
-  private readonly held = new Map<string, Held>();
-  private readonly stopController = new AbortController();
-  private readonly externalSignal: AbortSignal | undefined;
-  private ttlMs = 30_000;
-  private changed: (() => void) | null = null;
   private batchRenew = true;
   private batchComplete = true;
   private pendingCompletes: { claim: Claim; outcome: unknown; settle: (result: ClaimResult) => void }[] = [];
-  private started = false;
 
   constructor(
-    private readonly http: Http,
+    http: Http,
     runId: string,
     mailbox: string,
     handler: Handler<any> | TaskDefinition<any>,
     options: ConsumeOptions = {},
   ) {
-    const concurrency = options.concurrency ?? 1;
-    if (!Number.isInteger(concurrency) || concurrency < 1) throw new RangeError('concurrency must be an integer >= 1');
+    const claimWaitMs = Math.max(0, Math.min(options.claimWaitMs ?? 30_000, 30_000));
+    super(http, runId, mailbox, options, { leaseMs: options.leaseTtlMs, fetchWaitMs: claimWaitMs });
     const renewFraction = options.renewFraction ?? 1 / 3;
     if (!(renewFraction > 0 && renewFraction < 1)) throw new RangeError('renewFraction must be between 0 and 1');
-    this.runId = runId;
-    this.mailbox = mailbox;
     this.tasks = new Tasks(http, runId);
     this.handler = handler;
-    this.concurrency = concurrency;
     this.leaseTtlMs = options.leaseTtlMs;
     this.workerId = options.workerId ?? `${hostname()}:${process.pid}:${Math.random().toString(16).slice(2, 10)}`;
-    this.claimWaitMs = Math.max(0, Math.min(options.claimWaitMs ?? 30_000, 30_000));
+    this.claimWaitMs = claimWaitMs;
     this.renewFraction = renewFraction;
-    this.drainTimeoutMs = options.drainTimeoutMs ?? 30_000;
-    this.handleSignals = options.handleSignals ?? true;
-    this.log = options.log ?? defaultLog;
-    this.externalSignal = options.signal;
   }
 
-  /** Stop claiming; running handlers get `drainTimeoutMs` to finish and record. */
-  stop(): void {
-    if (this.stopController.signal.aborted) return;
-    this.summary.stopReason ||= 'stopped';
-    this.stopController.abort(new DOMException('runstate: the worker is stopping', 'AbortError'));
-    this.wake();
+  protected override background(signal: AbortSignal): Promise<void> {
+    return this.renewLoop(signal);
   }
 
-  private get stopping(): boolean {
-    return this.stopController.signal.aborted;
+  protected fetch(max: number, signal: AbortSignal): Promise<Claim[]> {
+    return this.tasks.claim(this.mailbox, {
+      max,
+      waitMs: this.claimWaitMs,
+      workerId: this.workerId,
+      signal,
+      ...(this.leaseTtlMs === undefined ? {} : { leaseTtlMs: this.leaseTtlMs }),
+    });
   }
 
-  private wake(): void {
-    const changed = this.changed;
-    this.changed = null;
-    changed?.();
+  protected handBack(claim: Claim): Promise<void> {
+    return this.release(claim);
   }
 
-  /** Work until the run refuses work, `stop()`, `SIGTERM` or the `signal` option; resolve with the summary. */
-  async run(): Promise<ConsumeSummary> {
-    if (this.started) throw new Error('A Worker runs once; make another with scope.worker(...).');
-    this.started = true;
-    const onExternalAbort = (): void => this.stop();
-    if (this.externalSignal?.aborted) this.stop();
-    this.externalSignal?.addEventListener('abort', onExternalAbort, { once: true });
-    if (this.handleSignals) {
-      if (sigtermWorkers.size === 0) process.on('SIGTERM', onSigterm);
-      sigtermWorkers.add(this);
-    }
-    const renewing = new AbortController();
-    let renewer: Promise<void> | null = null;
-    try {
-      if (this.leaseTtlMs === undefined) {
-        const mailbox = await this.http.request<Mailbox>('GET', `/mailboxes/${segment(this.mailbox)}`, { idempotent: true });
-        this.ttlMs = mailbox.leaseTtlMs;
-      } else {
-        this.ttlMs = this.leaseTtlMs;
-      }
-      renewer = this.renewLoop(renewing.signal);
-      try {
-        await this.claimLoop();
-      } catch (error) {
-        // An error that ends the loop: hand everything back now, then throw it.
-        await this.shutdown(0);
-        throw error;
-      }
-      await this.shutdown(this.drainTimeoutMs);
-      return { ...this.summary };
-    } finally {
-      renewing.abort();
-      await renewer;
-      this.externalSignal?.removeEventListener('abort', onExternalAbort);
-      if (sigtermWorkers.delete(this) && sigtermWorkers.size === 0) process.off('SIGTERM', onSigterm);
-    }
+  protected abandon(held: Held): Promise<void> {
+    return this.release(held.claim);
   }
 
-  // Claiming ---------------------------------------------------------------------------------
-
-  private async claimLoop(): Promise<void> {
-    let failures = 0;
-    while (!this.stopping) {
-      const free = this.concurrency - this.held.size;
-      if (free <= 0) {
-        await new Promise<void>((resolve) => {
-          this.changed = resolve;
-        });
-        continue;
-      }
-      let claims: Claim[];
-      try {
-        claims = await this.tasks.claim(this.mailbox, {
-          max: free,
-          waitMs: this.claimWaitMs,
-          workerId: this.workerId,
-          signal: this.stopController.signal,
-          ...(this.leaseTtlMs === undefined ? {} : { leaseTtlMs: this.leaseTtlMs }),
-        });
-      } catch (error) {
-        if (this.stopping) {
-          // Stopping mid-wait. The server may still hand out a task the answer to this
-          // abandoned request carried: its lease expires and it is taken over.
-          return;
-        }
-        if (error instanceof ScopeInactiveError) {
-          this.log('info', `run ${this.runId} refuses work (${error.code}): stopping`);
-          this.summary.stopReason = error.code;
-          for (const held of [...this.held.values()]) this.lose(held, 'scope_refused');
-          return;
-        }
-        if (isTransient(error)) {
-          failures += 1;
-          const pause = Math.min(CLAIM_BACKOFF_MAX_MS, CLAIM_BACKOFF_MS * 2 ** (failures - 1));
-          this.log('warn', `claim on ${this.mailbox} failed (${String(error)}); retrying in ${pause} ms`);
-          await sleep(pause, this.stopController.signal).catch(() => undefined);
-          continue;
-        }
-        throw error;
-      }
-      failures = 0;
-      if (this.stopping) {
-        await Promise.all(claims.map((claim) => this.release(claim)));
-        return;
-      }
-      for (const claim of claims) this.start(claim);
-      if (claims.length === 0 && this.claimWaitMs < IDLE_PAUSE_MS) {
-        await sleep(IDLE_PAUSE_MS, this.stopController.signal).catch(() => undefined);
-      }
-    }
+  protected label(held: Held): string {
+    return `task ${held.claim.taskId}: claim`;
   }
 
   // Running one task -------------------------------------------------------------------------
 
-  private start(claim: Claim): void {
-    const controller = new AbortController();
+  protected start(claim: Claim): void {
     let input: unknown = claim.task.input;
     let invalid: unknown = undefined;
     const definition = isDefinition(this.handler) ? this.handler : null;
@@ -365,32 +201,19 @@ export class Worker {
         invalid = error ?? new Error('invalid input');
       }
     }
-    const context = new TaskContext<unknown>(claim, input, controller);
-    let drop: () => void = () => undefined;
-    const dropped = new Promise<void>((resolve) => {
-      drop = resolve;
-    });
+    const context = new TaskContext<unknown>(claim, input);
     const held: Held = {
       claim,
       context,
-      leaseUntil: Date.now() + this.ttlMs,
-      lost: false,
-      abandoned: false,
-      recording: false,
-      drop,
-      done: Promise.resolve(),
+      leaseUntil: Date.now() + this.leaseMs,
+      ...freshHeld(),
     };
     this.held.set(claim.id, held);
     if (claim.cancellationRequested) context.trip('cancellation_requested');
-    held.done = this.supervise(held, definition, invalid, dropped);
+    held.done = this.supervise(held, definition, invalid);
   }
 
-  private async supervise(
-    held: Held,
-    definition: TaskDefinition<unknown> | null,
-    invalid: unknown,
-    dropped: Promise<void>,
-  ): Promise<void> {
+  private async supervise(held: Held, definition: TaskDefinition<unknown> | null, invalid: unknown): Promise<void> {
     try {
       if (invalid !== undefined) {
         held.recording = true;
@@ -399,15 +222,10 @@ export class Worker {
         return;
       }
       const handler = this.handler;
-      const running: Promise<{ ok: true; value: unknown } | { ok: false; error: unknown }> = (async () => {
-        try {
-          const value = definition ? await definition.run(held.context.input, held.context) : await (handler as Handler)(held.context);
-          return { ok: true as const, value };
-        } catch (error) {
-          return { ok: false as const, error };
-        }
-      })();
-      const settled = await Promise.race([running, dropped.then(() => null)]);
+      const running = settle(() =>
+        definition ? definition.run(held.context.input, held.context) : (handler as Handler)(held.context),
+      );
+      const settled = await Promise.race([running, held.dropped.then(() => null)]);
       if (settled === null || held.lost || held.abandoned) {
         // The claim is gone (counted by lose()) or released by shutdown(): the result cannot count.
         return;
@@ -433,16 +251,6 @@ export class Worker {
     }
   }
 
-  /** Mark the claim lost: abort the signal and stop waiting for the handler (its result can no longer count). */
-  private lose(held: Held, reason: StopReason): void {
-    if (held.lost || held.recording) return;
-    held.lost = true;
-    this.summary.lost += 1;
-    this.log('info', `task ${held.claim.taskId}: claim lost (${reason})`);
-    held.context.trip(reason);
-    held.drop();
-  }
-
   private async record(held: Held, call: Promise<TaskData | ClaimResult>, failed: boolean): Promise<void> {
     let error: unknown = null;
     try {
@@ -457,8 +265,7 @@ export class Worker {
       return;
     }
     this.summary.lost += 1;
-    const expected = error instanceof LeaseLostError || error instanceof ScopeInactiveError || error instanceof NotFoundError;
-    this.log(expected ? 'info' : 'error', `task ${held.claim.taskId}: result not recorded (${String(error)})`);
+    this.log(isExpectedRefusal(error) ? 'info' : 'error', `task ${held.claim.taskId}: result not recorded (${String(error)})`);
   }
 
   private async release(claim: Claim): Promise<void> {
@@ -517,7 +324,7 @@ export class Worker {
   // Renewing, batched: every held lease in one request per interval.
 
   private async renewLoop(signal: AbortSignal): Promise<void> {
-    const interval = Math.max(MIN_RENEW_INTERVAL_MS, this.ttlMs * this.renewFraction);
+    const interval = Math.max(MIN_RENEW_INTERVAL_MS, this.leaseMs * this.renewFraction);
     while (!signal.aborted) {
       try {
         await sleep(interval, signal);
@@ -566,7 +373,7 @@ export class Worker {
       const result = results?.[index];
       if (result === undefined) return;
       if (result.ok) {
-        if (result.claim !== undefined) held.leaseUntil = sent + this.ttlMs;
+        if (result.claim !== undefined) held.leaseUntil = sent + this.leaseMs;
         if (held.claim.cancellationRequested) held.context.trip('cancellation_requested');
       } else if (result.error instanceof ScopeInactiveError) {
         this.lose(held, 'scope_refused');
@@ -582,28 +389,5 @@ export class Worker {
       if (now >= held.leaseUntil) this.lose(held, 'lease_lost');
     }
     this.log('warn', `renewal failed (${String(error)}); retrying`);
-  }
-
-  // Stopping ---------------------------------------------------------------------------------
-
-  /** Let running handlers finish for `drainMs`, then give up on them and release their tasks. */
-  private async shutdown(drainMs: number): Promise<void> {
-    const running = [...this.held.values()].map((held) => held.done);
-    if (running.length > 0 && drainMs > 0) {
-      this.log('info', `stopping: waiting up to ${drainMs} ms for ${running.length} handler(s)`);
-      let timer: NodeJS.Timeout | undefined;
-      await Promise.race([Promise.all(running), new Promise<void>((resolve) => (timer = setTimeout(resolve, drainMs)))]);
-      clearTimeout(timer);
-    }
-    const releases: Promise<void>[] = [];
-    for (const held of [...this.held.values()]) {
-      if (held.recording || held.lost || held.abandoned) continue;
-      held.abandoned = true;
-      held.context.trip('stopping');
-      held.drop();
-      releases.push(this.release(held.claim));
-    }
-    await Promise.all(releases);
-    await Promise.all([...this.held.values()].map((held) => held.done));
   }
 }

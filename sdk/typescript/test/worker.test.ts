@@ -1,43 +1,11 @@
 /** The worker loop (`consume`) against the live service: exactly once, takeover after SIGKILL, SIGTERM, bound keys. */
 
 import assert from 'node:assert/strict';
-import { spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
 import { once } from 'node:events';
-import { dirname, join } from 'node:path';
-import { createInterface } from 'node:readline';
 import { describe, test } from 'node:test';
-import { fileURLToPath } from 'node:url';
 
 import { NotFoundError, Runstate, type TaskContext } from '../src/index.js';
-import { requiredEnv, unique, until } from './support.js';
-
-const CONSUMER = join(dirname(fileURLToPath(import.meta.url)), 'consumer-process.js');
-
-/** Start the consumer process on `runId`; its stdout lines arrive through `next()`. */
-function consumerProcess(runId: string, mailbox: string, mode: string, drainMs = 30_000) {
-  const child: ChildProcessWithoutNullStreams = spawn(process.execPath, [CONSUMER, mailbox, mode, String(drainMs)], {
-    env: { ...process.env, RUNSTATE_SCOPE_ID: runId },
-  });
-  let stderr = '';
-  child.stderr.on('data', (chunk: Buffer) => {
-    stderr += chunk.toString();
-  });
-  const lines = createInterface({ input: child.stdout })[Symbol.asyncIterator]();
-  const next = async (timeoutMs = 20_000): Promise<string> => {
-    let timer: NodeJS.Timeout | undefined;
-    const timeout = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new Error(`no output from the consumer process; stderr:\n${stderr}`)), timeoutMs);
-    });
-    try {
-      const line = await Promise.race([lines.next(), timeout]);
-      if (line.done) throw new Error(`the consumer process ended; stderr:\n${stderr}`);
-      return line.value;
-    } finally {
-      clearTimeout(timer);
-    }
-  };
-  return { child, next };
-}
+import { consumerProcess, requiredEnv, unique, until } from './support.js';
 
 async function prepare(rs: Runstate, mailbox: string, leaseTtlMs: number) {
   await rs.mailboxes.ensure(mailbox, { mode: 'WORK', leaseTtlMs });
@@ -140,7 +108,7 @@ describe('consume', { concurrency: true, timeout: 240_000 }, () => {
     const rs = new Runstate();
     const mailbox = unique('drained');
     const { run, ticket } = await prepare(rs, mailbox, 30_000);
-    const consumer = consumerProcess(run.id, mailbox, 'hang', 500);
+    const consumer = consumerProcess(run.id, mailbox, 'hang', { drainMs: 500 });
     assert.equal(await consumer.next(), `claimed ${ticket.id} 1`);
     consumer.child.kill('SIGTERM');
     assert.equal(await consumer.next(), 'summary completed=0 failed=0 lost=0 released=1 stopReason=stopped');
