@@ -12,7 +12,8 @@ both scenarios, one after the other:
   process's shared renewer, complete); time from the first submit until N tasks are
   ``SUCCEEDED``.
 
-S threads (``--submitters``, default 2) send or submit in both scenarios. The ratio
+S threads (``--submitters``, default 2) send or submit in both scenarios; the submitting
+process keeps mailboxes in its process cache, as API and worker processes do. The ratio
 runstate / plain is what the guarantees cost: two short transactions per task (claim,
 complete) plus the submit's, on PostgreSQL. Afterwards one query checks every task
 ``SUCCEEDED`` exactly once (``attempts = 1``, N ``task.succeeded`` events).
@@ -384,6 +385,11 @@ def main(argv=None) -> int:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
+    # The submitting process reads the mailbox from the process cache, as an API process or a
+    # worker does (``RunstateTask.submit``; issue 27).
+    from coordination import process_cache
+
+    process_cache.enable()
     broker_url = os.environ["CELERY_BROKER_URL"]
     broker = redis.Redis.from_url(broker_url)
     broker.flushdb()

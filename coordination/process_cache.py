@@ -25,8 +25,9 @@ it got (a request's thread sets an attribute, a service saves the mailbox) witho
 thread, or the next request, seeing the change. A copy costs about 20 µs, no query.
 
 Caching is turned on by the API's ASGI application (``runstate_project.asgi``), the one
-place that serves keys and mailboxes at request rates; management commands, Celery workers
-and the in-process test client read the database as before.
+place that serves keys and mailboxes at request rates, and by a Celery worker's process at
+its first ``@runstate_task`` submit (``workers.decorators``); management commands and the
+in-process test client read the database as before.
 """
 
 import pickle

@@ -110,6 +110,30 @@ class Registry:
 registry = Registry()
 
 
+# Worker processes cache mailboxes too (``workers.apps`` asks at a worker's start), from
+# their first submit on: the LISTEN connection behind the cache is opened only in a process
+# that submits, after any fork (a pool child opens its own), so a worker that never submits
+# pays nothing for it.
+_process_cache = {"asked": False, "started_in": None}
+_process_cache_lock = threading.Lock()
+
+
+def cache_mailboxes_in_this_worker(**signal_kwargs) -> None:
+    """Have this worker's processes read the mailbox of every submit through ``coordination.process_cache``."""
+    _process_cache["asked"] = True
+
+
+def _start_process_cache_if_asked() -> None:
+    if not _process_cache["asked"] or _process_cache["started_in"] == os.getpid():
+        return
+    with _process_cache_lock:
+        if _process_cache["started_in"] != os.getpid():
+            from coordination import process_cache
+
+            process_cache.enable()
+            _process_cache["started_in"] = os.getpid()
+
+
 def _kwarg_names(fn: Callable) -> tuple[frozenset[str], bool]:
     """Return the keyword parameters ``fn`` declares after ``ctx``, and whether it takes ``**kwargs``."""
     params = list(inspect.signature(fn).parameters.values())[1:]
@@ -238,6 +262,18 @@ class RunstateTask:
 
     # Submitting ------------------------------------------------------------------------------
 
+    def _project_and_mailbox(self):
+        """Return the project id and the mailbox row, read through the process cache where it is on.
+
+        API and worker processes keep mailboxes in ``coordination.process_cache``, forgotten
+        by NOTIFY when the row changes anywhere; elsewhere (no cache) this is one query.
+        """
+        from coordination.services.mailboxes import mailbox_get
+
+        _start_process_cache_if_asked()
+        project_id, _ = self.ids()
+        return project_id, mailbox_get(project_id=project_id, name=self.mailbox_name)
+
     def validate_input(self, input: object) -> None:
         """Raise ``ValidationFailed`` (400 ``VALIDATION_ERROR``) when ``input`` does not fit the model or schema."""
         from coordination import exceptions
@@ -280,11 +316,9 @@ class RunstateTask:
         The same ``key`` with the same input returns the existing task (and sends nothing);
         a run that is a group's gate makes the task a member of that group.
         """
-        from coordination.models import Mailbox
         from coordination.services.tasks import task_submit
 
-        project_id, mailbox_id = self.ids()
-        mailbox = Mailbox.objects.get(id=mailbox_id)
+        project_id, mailbox = self._project_and_mailbox()
         run_id = getattr(run_id, "id", run_id)
         task, _ = task_submit(
             project_id=project_id,
@@ -304,11 +338,9 @@ class RunstateTask:
         The tasks and their events are written by one statement on PostgreSQL, and after
         commit their Celery messages are published in one go (one producer), one per task.
         """
-        from coordination.models import Mailbox
         from coordination.services.tasks import TaskSpec, tasks_submit_many
 
-        project_id, mailbox_id = self.ids()
-        mailbox = Mailbox.objects.get(id=mailbox_id)
+        project_id, mailbox = self._project_and_mailbox()
         run_id = getattr(run_id, "id", run_id)
         answers = tasks_submit_many(
             project_id=project_id,

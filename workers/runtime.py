@@ -42,13 +42,13 @@ from coordination import exceptions
 from coordination.services.claims import (
     MAX_BATCH,
     Claim,
-    claim_complete,
     claim_fail,
     claim_release,
     claims_renew_many,
-    task_claim_by_id,
 )
 from coordination.states import TaskState
+from workers import statements
+from workers.statements import WorkerClaim
 
 if TYPE_CHECKING:
     from workers.decorators import RunstateTask
@@ -71,12 +71,13 @@ class TaskContext:
     between steps, or call ``check()`` to raise ``TaskCancelled``.
     """
 
-    def __init__(self, claim: Claim, *, mailbox: str) -> None:
-        task = claim.task
-        self.input: Any = task.input
-        self.task_id: uuid.UUID = task.id
-        self.run_id: uuid.UUID = task.run_id
-        self.key: str | None = task.key
+    def __init__(self, claim: WorkerClaim | Claim, *, mailbox: str) -> None:
+        if isinstance(claim, Claim):
+            claim = WorkerClaim.of(claim)
+        self.input: Any = claim.input
+        self.task_id: uuid.UUID = claim.task_id
+        self.run_id: uuid.UUID = claim.run_id
+        self.key: str | None = claim.key
         self.mailbox = mailbox
         self.attempt: int = claim.attempt
         self.claim_id: str = claim.claim_id
@@ -362,7 +363,7 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
     project_id, mailbox_id = bound.ids()
     try:
         claim = _after_disconnect_once_more(
-            lambda: task_claim_by_id(
+            lambda: statements.claim_by_id(
                 project_id=project_id,
                 task_id=uuid.UUID(str(task_id)),
                 worker_id=_worker_id(request),
@@ -381,7 +382,7 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
         return "not_claimable"
 
     ctx = TaskContext(claim, mailbox=bound.mailbox_name)
-    lease_ttl_ms = bound.lease_ttl_ms or claim.lease_ttl_ms or claim.task.mailbox.lease_ttl_ms
+    lease_ttl_ms = bound.lease_ttl_ms or claim.lease_ttl_ms
     heartbeat = renewer()
     ctx._held = heartbeat.hold(ctx, project_id=project_id, lease_ttl_ms=lease_ttl_ms, renew_ttl_ms=bound.lease_ttl_ms)
     outcome: Any = None
@@ -437,31 +438,22 @@ def _record(bound: RunstateTask, ctx: TaskContext, project_id: uuid.UUID, outcom
             retry = False
     try:
         if error is None:
-            task = claim_complete(project_id=project_id, claim_id=ctx.claim_id, outcome=outcome)
-        else:
-            task = claim_fail(
-                project_id=project_id,
-                claim_id=ctx.claim_id,
-                error=error,
-                retry=retry,
-                retry_delay_ms=bound.retry_delay_ms(ctx.attempt),
-            )
+            return statements.complete(project_id=project_id, claim_id=ctx.claim_id, outcome=outcome)
+        task = claim_fail(
+            project_id=project_id,
+            claim_id=ctx.claim_id,
+            error=error,
+            retry=retry,
+            retry_delay_ms=bound.retry_delay_ms(ctx.attempt),
+        )
     except (exceptions.LeaseLost, exceptions.NotFound) as lost:
         logger.info("%s: task %s attempt %s not recorded: %s", bound.name, ctx.task_id, ctx.attempt, lost.code)
         return lost.code
     except exceptions.CoordinationError as refusal:
         logger.info("%s: task %s attempt %s not recorded: %s", bound.name, ctx.task_id, ctx.attempt, refusal.code)
         return refusal.code
-    if error is not None:
-        log = logger.info if task.state == TaskState.QUEUED else logger.warning
-        log(
-            "%s: task %s attempt %s failed, now %s: %s",
-            bound.name,
-            ctx.task_id,
-            ctx.attempt,
-            task.state,
-            error["message"],
-        )
+    log = logger.info if task.state == TaskState.QUEUED else logger.warning
+    log("%s: task %s attempt %s failed, now %s: %s", bound.name, ctx.task_id, ctx.attempt, task.state, error["message"])
     return task.state
 
 
