@@ -15,7 +15,7 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.states import Verdict
-from tests.concurrency.util import force_order, run_in_threads
+from tests.concurrency.util import force_order, rounds, run_in_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -129,9 +129,10 @@ def audit(group_id):
     return decision
 
 
-def test_16_threads_accept_50_members_threshold_5_exactly_one_decision_50_rounds(world):
+def test_16_threads_accept_50_members_threshold_5_exactly_one_decision_every_round(world):
+    """50 rounds on PostgreSQL, 10 on SQLite (``rounds``)."""
     project, mailbox = world
-    for _ in range(50):
+    for _ in range(rounds(postgresql=50, sqlite=10)):
         group, tasks = make_group(project, mailbox, members=50, succeed=range(50), condition="N_ACCEPTED", threshold=5)
         ids = [t.id for t in tasks]
         random.shuffle(ids)

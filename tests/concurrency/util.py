@@ -11,6 +11,17 @@ from coordination import exceptions
 GIVE_UP_S = 60
 
 
+def rounds(*, postgresql: int, sqlite: int) -> int:
+    """Return how many rounds a random race repeats on this database.
+
+    On SQLite every write transaction takes the database's one write lock (``IMMEDIATE``), so
+    the racers of a round run one after another whatever the threads do: a round there checks
+    the rule under one more arrival order, not a new interleaving of row locks, and a few
+    rounds check what many would. On PostgreSQL each round is a fresh race of row locks.
+    """
+    return sqlite if connection.vendor == "sqlite" else postgresql
+
+
 def run_in_threads(targets, *, timeout=120):
     """Start every callable in ``targets`` at once (behind a barrier) and wait for all.
 
