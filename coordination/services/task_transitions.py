@@ -72,14 +72,18 @@ UNFINISHED_SQL = in_list(TASK_UNFINISHED)
 # ORM: one function per transition, on a task the caller has locked -------------------------
 
 
-def claim(task: Task, *, now: datetime, lease_until: datetime, worker_id: str) -> None:
-    """Claim: QUEUED -> RUNNING under a new attempt and lease."""
+def _claimed(task: Task, *, now: datetime, lease_until: datetime, worker_id: str) -> None:
     task.state = TaskState.RUNNING
     task.attempts += 1
     task.lease_expires_at = lease_until
     task.last_renewed_at = now
     task.worker_id = worker_id
     task.started_at = task.started_at or now
+
+
+def claim(task: Task, *, now: datetime, lease_until: datetime, worker_id: str) -> None:
+    """Claim: QUEUED -> RUNNING under a new attempt and lease."""
+    _claimed(task, now=now, lease_until=lease_until, worker_id=worker_id)
     task.save(update_fields=["state", "attempts", "lease_expires_at", "last_renewed_at", "worker_id", "started_at"])
 
 
@@ -96,12 +100,7 @@ def claim_many(tasks: list[Task], *, now: datetime, lease_until: datetime, worke
         started_at=Coalesce(F("started_at"), now),
     )
     for task in tasks:
-        task.state = TaskState.RUNNING
-        task.attempts += 1
-        task.lease_expires_at = lease_until
-        task.last_renewed_at = now
-        task.worker_id = worker_id
-        task.started_at = task.started_at or now
+        _claimed(task, now=now, lease_until=lease_until, worker_id=worker_id)
 
 
 def complete(task: Task, *, now: datetime, outcome: object) -> None:

@@ -200,17 +200,6 @@ SELECT {_TASK} FROM done
 """
 
 
-def _fast_one(statement: str, project_id: uuid.UUID, claim_id: str, **params) -> Task | None:
-    """Run a fenced single statement on one claim; return the changed task, or None (careful path)."""
-    if not fast_paths_enabled():
-        return None
-    task_id, attempt = parse_claim_id(claim_id)
-    rows = sql.fetch_models(
-        Task, statement, {"task_id": task_id, "project_id": project_id, "attempt": attempt, **params}
-    )
-    return rows[0][0] if rows else None
-
-
 # Batches: many claims in one statement, each item fenced on its own ------------------------
 
 # The batch form of ``_FENCE``: each item carries its own attempt. Rows are locked in id
