@@ -1,7 +1,10 @@
 """State enums of every aggregate, with their terminal sets.
 
-One service function writes each status field (house rule): ``Run.stored_state`` is written
-only by ``coordination.services.runs``.
+One service module writes each status field (house rule): ``Run.stored_state`` is written
+only by ``coordination.services.runs``, ``Task.state`` only by
+``coordination.services.task_transitions``
+(``tests/coordination/services/test_status_writers.py``). SQL renders these names with
+``coordination.services.sql.literal`` and ``in_list``, never by hand.
 """
 
 from django.db import models
@@ -46,7 +49,7 @@ class MailboxMode(models.TextChoices):
 
 
 class TaskState(models.TextChoices):
-    """A task's lifecycle; written only by ``coordination.services`` ``tasks``, ``claims`` and ``sweeps``."""
+    """A task's lifecycle; written only by ``coordination.services.task_transitions``."""
 
     QUEUED = "QUEUED"  # claimable once ``available_at`` has passed
     RUNNING = "RUNNING"  # claimed; the claim holds a lease until ``lease_expires_at``

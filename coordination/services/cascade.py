@@ -14,6 +14,7 @@ from django.db import connection, models
 
 from coordination.models import Run
 from coordination.services.events import event_insert_sql
+from coordination.services.sql import in_list
 from coordination.states import RunState
 
 
@@ -127,19 +128,17 @@ def subtree_rows_end(
     """
     table = model._meta.db_table
     states = list(states)
-    # The states are written into the SQL as literals (they are our enum values, checked
-    # here), so that even a generic plan of the prepared statement matches a partial index on
+    # The states are written into the SQL as literals (``sql.literal`` checks they are state
+    # names), so that even a generic plan of the prepared statement matches a partial index on
     # them, e.g. ``task_unfinished_run_path`` (text_pattern_ops).
-    if not all(state.isidentifier() and state.isupper() for state in states):
-        raise ValueError(f"not a state name: {states}")
-    state_sql = ", ".join(f"'{state}'" for state in states)
+    state_sql = in_list(states)
     # ARRAY(...) runs the locking subquery once, before the update, and the update then finds
     # the rows by primary key: as a join, the planner may hash the ids and scan the whole table.
     assignments = ", ".join(filter(None, ["state = %(final_state)s", also_set]))
     extra = f", t.{returning}" if returning else ""
     sql = (
         f"WITH ended AS (UPDATE {table} AS t SET {assignments} "
-        f"WHERE t.id = ANY(ARRAY(SELECT id FROM {table} WHERE run_path LIKE %(prefix)s AND state IN ({state_sql}) "
+        f"WHERE t.id = ANY(ARRAY(SELECT id FROM {table} WHERE run_path LIKE %(prefix)s AND state IN {state_sql} "
         "ORDER BY id FOR UPDATE)) "
         f"RETURNING t.id, t.project_id, t.run_id, t.run_path{extra}) "
         + event_insert_sql("ended", type_sql="%(event_type)s", data_sql=data_sql)

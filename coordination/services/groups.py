@@ -214,7 +214,7 @@ def _finalize(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: date
 FINALIZE_SQL = f"""
 WITH done AS (
     UPDATE coordination_taskgroup
-    SET state = 'FINALIZED', outcome = %(outcome)s, outcome_reason = %(reason)s,
+    SET state = {sql.literal(GroupState.FINALIZED)}, outcome = %(outcome)s, outcome_reason = %(reason)s,
         finalized_at = %(now)s, closed_at = %(closed_at)s
     WHERE id = %(group_id)s
     RETURNING id
@@ -420,7 +420,7 @@ class VerdictResult:
     group: TaskGroup
 
 
-_TERMINAL_SQL = ", ".join(f"'{state}'" for state in sorted(TASK_TERMINAL))
+_TERMINAL_SQL = ", ".join(sql.literal(state) for state in sorted(TASK_TERMINAL))
 
 # A first verdict on a member, once its group is locked and not due: lock the member's task
 # (house order: group, then task), record the verdict and its event, and return the member
@@ -440,8 +440,8 @@ WITH task AS (
     FROM task
     WHERE m.group_id = %(group_id)s AND m.task_id = task.id AND m.verdict IS NULL
       AND CASE %(verdict)s
-          WHEN 'ACCEPTED' THEN task.state = 'SUCCEEDED'
-          WHEN 'REJECTED' THEN task.state IN ({_TERMINAL_SQL})
+          WHEN {sql.literal(Verdict.ACCEPTED)} THEN task.state = {sql.literal(TaskState.SUCCEEDED)}
+          WHEN {sql.literal(Verdict.REJECTED)} THEN task.state IN ({_TERMINAL_SQL})
           ELSE false END
     RETURNING m.*
 ), events AS (

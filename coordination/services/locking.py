@@ -32,6 +32,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.ids import path_ids
 from coordination.models import Run
+from coordination.services.sql import literal
 from coordination.states import RunState
 
 
@@ -90,7 +91,9 @@ chain_ids AS MATERIALIZED (
 CHAIN_KEY_SHARE_CTE = chain_key_share_cte(
     "SELECT path FROM coordination_run WHERE id = %(run_id)s AND project_id = %(project_id)s"
 )
-CHAIN_ACTIVE_SQL = "count(*) > 0 AND bool_and(stored_state = 'ACTIVE' AND (deadline IS NULL OR deadline > %(now)s))"
+CHAIN_ACTIVE_SQL = (
+    f"count(*) > 0 AND bool_and(stored_state = {literal(RunState.ACTIVE)} AND (deadline IS NULL OR deadline > %(now)s))"
+)
 
 
 def _lock_runs(ids: Sequence[uuid.UUID], mode: LockMode) -> list[Run]:

@@ -28,7 +28,7 @@ from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
-from coordination.services.sql import columns, fast_paths_enabled, fetch_models
+from coordination.services.sql import columns, fast_paths_enabled, fetch_models, literal
 from coordination.states import MailboxMode, MessageState, RunState
 
 MAX_DELIVERIES_PER_CALL = 100
@@ -310,7 +310,7 @@ EXTEND_SQL = f"""
 UPDATE coordination_message m
 SET visible_at = %(visible_until)s
 WHERE m.id = %(message_id)s AND m.project_id = %(project_id)s AND m.attempts = %(attempt)s
-  AND m.state = '{MessageState.IN_FLIGHT}' AND m.visible_at > %(now)s
+  AND m.state = {literal(MessageState.IN_FLIGHT)} AND m.visible_at > %(now)s
   AND NOT EXISTS (
       SELECT 1 FROM coordination_run r
       WHERE r.id = ANY (string_to_array(rtrim(m.run_path, '/'), '/')::uuid[])

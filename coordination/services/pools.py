@@ -45,6 +45,8 @@ from coordination.services.locking import (
 from coordination.services.mailboxes import NAME_PATTERN
 from coordination.states import POOL_LEASE_OPEN, PoolLeaseState
 
+_HELD = sql.literal(PoolLeaseState.HELD)
+
 MAX_CAPACITY = 1_000_000
 MAX_LEASE_TTL_MS = 24 * 3600 * 1000
 DEFAULT_LEASE_TTL_MS = 30_000
@@ -222,7 +224,7 @@ WITH {CHAIN_KEY_SHARE_CTE}, p AS (
     INSERT INTO coordination_poollease ({_LEASE_COLUMNS})
     SELECT %(lease_id)s, %(project_id)s, p.pool_id, %(run_id)s,
         (SELECT path FROM chain ORDER BY length(path) DESC LIMIT 1),
-        %(units)s, %(lease_ttl_ms)s, '', 'HELD', p.arrivals, %(expires_at)s, %(now)s, %(now)s, NULL
+        %(units)s, %(lease_ttl_ms)s, '', {_HELD}, p.arrivals, %(expires_at)s, %(now)s, %(now)s, NULL
     FROM p
     RETURNING *
 ), ev AS (
@@ -428,7 +430,7 @@ WITH {chain_key_share_cte(_LEASE_PATH_SQL)}
 UPDATE coordination_poollease l
 SET expires_at = %(now)s + COALESCE(%(ttl)s, l.lease_ttl_ms) * interval '1 millisecond',
     lease_ttl_ms = COALESCE(%(ttl)s, l.lease_ttl_ms)
-WHERE l.id = %(lease_id)s AND l.project_id = %(project_id)s AND l.state = 'HELD' AND l.expires_at > %(now)s
+WHERE l.id = %(lease_id)s AND l.project_id = %(project_id)s AND l.state = {_HELD} AND l.expires_at > %(now)s
   AND (SELECT {CHAIN_ACTIVE_SQL} FROM chain)
 RETURNING {sql.columns(PoolLease, "l")}
 """
@@ -485,10 +487,10 @@ WITH p AS (
     FOR UPDATE OF pl
 ), l AS (
     UPDATE coordination_poollease l
-    SET state = 'RELEASED', ended_at = %(now)s
+    SET state = {sql.literal(PoolLeaseState.RELEASED)}, ended_at = %(now)s
     FROM p
     WHERE l.id = %(lease_id)s AND l.project_id = %(project_id)s AND l.pool_id = p.id
-      AND l.state = 'HELD' AND l.expires_at > %(now)s
+      AND l.state = {_HELD} AND l.expires_at > %(now)s
     RETURNING l.*
 ), u AS (
     UPDATE coordination_pool pl

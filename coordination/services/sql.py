@@ -6,6 +6,8 @@ careful ORM path runs and decides the exact answer. SQLite always takes the care
 ``RUNSTATE_FAST_PATHS = False`` turns the fast paths off (tests compare the two).
 """
 
+from collections.abc import Iterable
+
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, models
 
@@ -13,6 +15,24 @@ from django.db import DEFAULT_DB_ALIAS, connection, models
 def fast_paths_enabled() -> bool:
     """Tell whether the single-statement paths apply (PostgreSQL, not switched off)."""
     return connection.vendor == "postgresql" and getattr(settings, "RUNSTATE_FAST_PATHS", True)
+
+
+def literal(state: str) -> str:
+    """Return a state name of ``coordination.states`` as a SQL string literal: ``'RUNNING'``.
+
+    State names are written into statements as literals, never as parameters, so that even a
+    generic plan of a prepared statement matches a partial index on them; and never quoted by
+    hand, so that the enum stays their one definition (``tests/coordination/services/test_sql_literals.py``).
+    """
+    name = str(state)
+    if not (name.isidentifier() and name.isupper()):
+        raise ValueError(f"not a state name: {name!r}")
+    return f"'{name}'"
+
+
+def in_list(states: Iterable[str]) -> str:
+    """Return state names as a parenthesized SQL list, in name order: ``('CANCELLATION_REQUESTED', 'RUNNING')``."""
+    return f"({', '.join(literal(state) for state in sorted(states))})"
 
 
 def columns(model: type[models.Model], alias: str) -> str:

@@ -12,12 +12,12 @@ from django.db.models import Q
 from django.utils import timezone
 
 from coordination.models import Task
-from coordination.services import dispatch
-from coordination.services.claims import lease_expired
+from coordination.services import dispatch, task_transitions
+from coordination.services.claims.leases import EXPIRY_DUE, lease_expired
 from coordination.services.events import event_for, events_record_many
 from coordination.services.retry import retrying
 from coordination.services.tasks import after_change, lock_task, record
-from coordination.states import TASK_HELD, TaskState
+from coordination.states import TaskState
 
 
 def tasks_settle_expired_leases(*, now: datetime | None = None, batch_size: int = 500) -> int:
@@ -27,12 +27,9 @@ def tasks_settle_expired_leases(*, now: datetime | None = None, batch_size: int 
     group first.
     """
     now = now or timezone.now()
-    due = Q(lease_expires_at__lte=now) | Q(cancel_grace_until__lte=now)
-    settled = _settle_plain_batch(due, now, batch_size)
+    settled = _settle_plain_batch(now, batch_size)
     member_ids = list(
-        Task.objects.filter(state__in=TASK_HELD, group__isnull=False)
-        .filter(due)
-        .values_list("id", flat=True)[:batch_size]
+        Task.objects.filter(EXPIRY_DUE.q(now), group__isnull=False).values_list("id", flat=True)[:batch_size]
     )
     for task_id in member_ids:
         settled += _settle_member(task_id, now)
@@ -40,10 +37,9 @@ def tasks_settle_expired_leases(*, now: datetime | None = None, batch_size: int 
 
 
 @transaction.atomic
-def _settle_plain_batch(due: Q, now: datetime, batch_size: int) -> int:
+def _settle_plain_batch(now: datetime, batch_size: int) -> int:
     tasks = list(
-        Task.objects.filter(state__in=TASK_HELD, group__isnull=True)
-        .filter(due)
+        Task.objects.filter(EXPIRY_DUE.q(now), group__isnull=True)
         .order_by("id")
         .select_for_update(skip_locked=True)[:batch_size]
     )
@@ -55,9 +51,7 @@ def _settle_plain_batch(due: Q, now: datetime, batch_size: int) -> int:
 @transaction.atomic
 def _settle_member(task_id: uuid.UUID, now: datetime) -> int:
     task, locked_group = lock_task(None, task_id)
-    lease_due = task.lease_expires_at is not None and task.lease_expires_at <= now
-    grace_due = task.cancel_grace_until is not None and task.cancel_grace_until <= now
-    if task.state not in TASK_HELD or not (lease_due or grace_due):
+    if not EXPIRY_DUE(task, now):
         return 0  # another sweeper or the worker got there first
     events_record_many(lease_expired(task, now))
     after_change(task, locked_group, now)
@@ -111,7 +105,7 @@ def _expire_plain_batch(now: datetime, batch_size: int) -> int:
         .select_for_update(skip_locked=True)[:batch_size]
     )
     if due:
-        Task.objects.filter(id__in=[t.id for t in due]).update(state=TaskState.EXPIRED, finished_at=now)
+        task_transitions.expire_many([t.id for t in due], now=now)
     events_record_many([event_for(task, "task.expired", cause="expires_at") for task in due])
     return len(due)
 
@@ -122,9 +116,7 @@ def _expire_member(task_id: uuid.UUID, now: datetime) -> int:
     task, locked_group = lock_task(None, task_id)
     if task.state != TaskState.QUEUED or task.expires_at is None or task.expires_at > now:
         return 0
-    task.state = TaskState.EXPIRED
-    task.finished_at = now
-    task.save(update_fields=["state", "finished_at"])
+    task_transitions.expire(task, now=now)
     record(task, "task.expired", cause="expires_at")
     after_change(task, locked_group, now)
     return 1

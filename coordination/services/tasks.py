@@ -1,10 +1,10 @@
 """Tasks: submit (one or many), cancel, and the end of a run's subtree.
 
-``Task.state`` is written by this module and by ``claims`` (the lease operations) and
-``sweeps`` (lease expiry, ``expiresAt``); the three share the locking and event helpers
-here. On PostgreSQL the hot operations are single guarded statements (see ``claims``);
-everything else, and every case those statements decline, takes the careful ORM path that
-locks rows in the house order.
+``Task.state`` is written only through ``task_transitions``; this module (cancels, the
+cascade), ``claims`` (the lease operations) and ``sweeps`` (lease expiry, ``expiresAt``)
+decide when, and share the locking and event helpers here. On PostgreSQL the hot
+operations are single guarded statements (see ``claims``); everything else, and every case
+those statements decline, takes the careful ORM path that locks rows in the house order.
 """
 
 import json
@@ -18,9 +18,9 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.ids import path_ids
-from coordination.models import Event, Mailbox, Run, Task, TaskGroup
-from coordination.services import dispatch, sql
-from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, cascade_step, subtree_rows_end
+from coordination.models import Mailbox, Run, Task, TaskGroup
+from coordination.services import dispatch, sql, task_transitions
+from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, cascade_step
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_refusal, run_chain_lock_active
@@ -28,8 +28,6 @@ from coordination.services.mailboxes import validate_max_attempts
 from coordination.services.retry import GroupMembershipChanged, retrying
 from coordination.services.sql import fast_paths_enabled
 from coordination.states import TASK_TERMINAL, TASK_UNFINISHED, MailboxMode, TaskState
-
-CASCADE_CHUNK = 2000
 
 
 def record(task: Task, type: str, **data) -> None:
@@ -235,7 +233,7 @@ WITH {prelude}, done AS (
         max_attempts, priority, created_at, available_at, expires_at, worker_id
     )
     SELECT i.id, %(project_id)s, %(mailbox_id)s, %(run_id)s, gate.run_path, gate.run_deadline, i.key, i.input::jsonb,
-        'QUEUED', 0, i.max_attempts, i.priority, %(now)s, %(now)s, i.expires_at, ''
+        {sql.literal(TaskState.QUEUED)}, 0, i.max_attempts, i.priority, %(now)s, %(now)s, i.expires_at, ''
     FROM items i, gate
     WHERE gate.open
     ORDER BY i.n
@@ -432,17 +430,11 @@ def task_cancel(
     task, locked_group = lock_task(project_id, task_id)
     now = timezone.now()
     if task.state == TaskState.QUEUED:
-        task.state = TaskState.CANCELLED
-        task.cancel_reason = reason
-        task.finished_at = now
-        task.save(update_fields=["state", "cancel_reason", "finished_at"])
+        task_transitions.cancel_queued(task, now=now, reason=reason)
         record(task, "task.cancelled", reason=reason, cause="cancel_requested")
     elif task.state == TaskState.RUNNING:
-        task.state = TaskState.CANCELLATION_REQUESTED
-        task.cancel_reason = reason
-        task.cancel_requested_at = now
-        task.cancel_grace_until = now + timedelta(milliseconds=grace_ms) if grace_ms is not None else None
-        task.save(update_fields=["state", "cancel_reason", "cancel_requested_at", "cancel_grace_until"])
+        grace_until = now + timedelta(milliseconds=grace_ms) if grace_ms is not None else None
+        task_transitions.request_cancellation(task, now=now, reason=reason, grace_until=grace_until)
         record(task, "task.cancellation_requested", reason=reason, graceMs=grace_ms)
     after_change(task, locked_group, now)
     return task
@@ -454,10 +446,10 @@ def task_cancel(
 CANCEL_GROUP_MEMBERS_SQL = f"""
 WITH ended AS (
     UPDATE coordination_task AS t
-    SET state = 'CANCELLED', finished_at = %(now)s, cancel_reason = %(reason)s, lease_expires_at = NULL, worker_id = ''
+    SET {task_transitions.CANCEL_SET_SQL}
     WHERE t.id = ANY(ARRAY(
         SELECT id FROM coordination_task
-        WHERE group_id = %(group_id)s AND state IN ({", ".join(f"'{state}'" for state in sorted(TASK_UNFINISHED))})
+        WHERE group_id = %(group_id)s AND state IN {task_transitions.UNFINISHED_SQL}
         ORDER BY id FOR UPDATE))
     RETURNING t.id, t.project_id, t.run_id, t.run_path
 )
@@ -475,9 +467,7 @@ def tasks_cancel_group_members(*, group_id: uuid.UUID, reason: str, now: datetim
     members = list(Task.objects.filter(group_id=group_id, state__in=TASK_UNFINISHED).order_by("id").select_for_update())
     if not members:
         return
-    Task.objects.filter(id__in=[t.id for t in members]).update(
-        state=TaskState.CANCELLED, finished_at=now, cancel_reason=reason, lease_expires_at=None, worker_id=""
-    )
+    task_transitions.cancel_many([t.id for t in members], now=now, reason=reason)
     events_record_many([event_for(task, "task.cancelled", reason=reason, cause="group_finalized") for task in members])
 
 
@@ -491,44 +481,4 @@ def tasks_cancel_subtree(end: SubtreeEnd) -> None:
     ``CANCELLED`` when the run was cancelled or completed, ``EXPIRED`` when its deadline passed.
     On PostgreSQL one statement locks, ends and records them all, whatever their number.
     """
-    final_state = TaskState.EXPIRED if end.by_deadline else TaskState.CANCELLED
-    event_type = "task.expired" if end.by_deadline else "task.cancelled"
-    if connection.vendor == "postgresql":
-        subtree_rows_end(
-            end,
-            Task,
-            states=sorted(TASK_UNFINISHED),
-            final_state=final_state,
-            event_type=event_type,
-            also_set="finished_at = %(now)s, cancel_reason = %(reason)s, lease_expires_at = NULL, worker_id = ''",
-        )
-        return
-    rows = list(
-        Task.objects.filter(run_path__startswith=end.path_prefix, state__in=TASK_UNFINISHED)
-        .order_by("id")
-        .select_for_update()
-        .values_list("id", "project_id", "run_id", "run_path")
-    )
-    for start in range(0, len(rows), CASCADE_CHUNK):
-        chunk = rows[start : start + CASCADE_CHUNK]
-        Task.objects.filter(id__in=[row[0] for row in chunk]).update(
-            state=final_state,
-            finished_at=end.now,
-            cancel_reason=end.reason,
-            lease_expires_at=None,
-            worker_id="",
-        )
-        events_record_many(
-            [
-                Event(
-                    project_id=project_id,
-                    type=event_type,
-                    run_id=run_id,
-                    run_path=run_path,
-                    subject_id=str(task_id),
-                    data={"reason": end.reason, "cause": end.cause},
-                    created_at=end.now,
-                )
-                for task_id, project_id, run_id, run_path in chunk
-            ]
-        )
+    task_transitions.end_subtree(end)

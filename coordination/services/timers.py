@@ -88,8 +88,9 @@ def timer_fire(*, timer_id: uuid.UUID) -> Timer | None:
 # oldest first, skipping rows another sweeper holds; fire them (or cancel those due at or
 # after their run's deadline, as ``_fire`` does) and write their events, as the careful path
 # below does. ``fireAt`` is Python's ``isoformat()`` of a UTC time (no fraction when it is
-# zero). 'ARMED' is a literal so that even a generic plan uses the partial index
+# zero). The states are literals (``sql.literal``) so that even a generic plan uses the partial index
 # ``timer_armed_due``.
+_ARMED, _FIRED = sql.literal(TimerState.ARMED), sql.literal(TimerState.FIRED)
 _FIRE_AT_ISO_SQL = (
     "to_char(fire_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS') "
     "|| CASE WHEN to_char(fire_at AT TIME ZONE 'UTC', 'US') = '000000' THEN '' "
@@ -98,23 +99,23 @@ _FIRE_AT_ISO_SQL = (
 FIRE_DUE_SQL = f"""
 WITH due AS (
     SELECT id FROM coordination_timer
-    WHERE state = 'ARMED' AND fire_at <= %(now)s
+    WHERE state = {_ARMED} AND fire_at <= %(now)s
     ORDER BY fire_at, id
     LIMIT %(batch_size)s
     FOR UPDATE SKIP LOCKED
 ), done AS (
     UPDATE coordination_timer t
-    SET state = CASE WHEN t.fire_at >= t.run_deadline THEN 'CANCELLED' ELSE 'FIRED' END,
+    SET state = CASE WHEN t.fire_at >= t.run_deadline THEN {sql.literal(TimerState.CANCELLED)} ELSE {_FIRED} END,
         fired_at = CASE WHEN t.fire_at >= t.run_deadline THEN t.fired_at ELSE %(fire_time)s END
     FROM due
-    WHERE t.id = due.id AND t.state = 'ARMED'
+    WHERE t.id = due.id AND t.state = {_ARMED}
     RETURNING t.id, t.project_id, t.run_id, t.run_path, t.state, t.fire_at
 )
 {
     event_insert_sql(
         "done",
-        type_sql="CASE WHEN state = 'FIRED' THEN 'timer.fired' ELSE 'timer.cancelled' END",
-        data_sql="CASE WHEN state = 'FIRED' THEN jsonb_build_object('fireAt', "
+        type_sql=f"CASE WHEN state = {_FIRED} THEN 'timer.fired' ELSE 'timer.cancelled' END",
+        data_sql=f"CASE WHEN state = {_FIRED} THEN jsonb_build_object('fireAt', "
         + _FIRE_AT_ISO_SQL
         + ", 'lateMs', greatest(0, floor(extract(epoch FROM %(fire_time)s - fire_at) * 1000))::bigint) "
         "ELSE jsonb_build_object('cause', 'run_deadline') END",

@@ -1,0 +1,38 @@
+"""What a claim is: a task handed to a worker under a lease, and its opaque id ``c_<task>_<attempt>``."""
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from coordination import exceptions
+from coordination.ids import fence_id, parse_fence_id
+from coordination.models import Task
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A task handed to a worker under a lease: ``claim_id`` fences every later operation."""
+
+    task: Task
+    attempt: int
+    lease_expires_at: datetime
+    # The lease granted, when the claimer knows it without another query (claims by id).
+    lease_ttl_ms: int | None = None
+
+    @property
+    def claim_id(self) -> str:
+        """Return the opaque claim id."""
+        return claim_id_for(self.task.id, self.attempt)
+
+
+def claim_id_for(task_id: uuid.UUID, attempt: int) -> str:
+    """Return the claim id of ``attempt`` on ``task_id``."""
+    return fence_id("c", task_id, attempt)
+
+
+def parse_claim_id(claim_id: str) -> tuple[uuid.UUID, int]:
+    """Split a claim id into task id and attempt; a malformed one is ``NOT_FOUND``."""
+    try:
+        return parse_fence_id("c", claim_id)
+    except ValueError:
+        raise exceptions.NotFound("Claim not found.", claimId=str(claim_id)) from None
