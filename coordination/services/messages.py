@@ -28,6 +28,7 @@ from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
+from coordination.services.rules import Clause, Rule
 from coordination.services.sql import columns, fast_paths_enabled, fetch_models, literal
 from coordination.states import MailboxMode, MessageState, RunState
 
@@ -208,6 +209,19 @@ class _LockedDelivery:
     now: datetime
 
 
+# The fence: the delivery ``(message id, attempt)`` is still the message's current one and its
+# visibility has not run out. ``_lock_delivery`` calls it on the row it locked, ``EXTEND_SQL``
+# renders it.
+DELIVERY_HOLDS = Rule(
+    Clause("{t}.attempts = {attempt}", lambda message, now, attempt: message.attempts == attempt),
+    Clause(
+        f"{{t}}.state = {literal(MessageState.IN_FLIGHT)}",
+        lambda message, now, **_: message.state == MessageState.IN_FLIGHT,
+    ),
+    Clause("{t}.visible_at > %(now)s", lambda message, now, **_: message.visible_at > now),
+)
+
+
 def _lock_delivery(project_id: uuid.UUID, delivery_id: str) -> _LockedDelivery:
     """Lock the delivery's run chain, then its message, and check the fence."""
     message_id, attempt = parse_delivery_id(delivery_id)
@@ -221,8 +235,7 @@ def _lock_delivery(project_id: uuid.UUID, delivery_id: str) -> _LockedDelivery:
     # The row lock serializes us with receivers, other operations on this delivery and sweeps.
     message = Message.objects.select_for_update().get(id=message_id)
     now = timezone.now()
-    held = message.attempts == attempt and message.state == MessageState.IN_FLIGHT and message.visible_at > now
-    return _LockedDelivery(message, held, chain_refusal(chain, now), now)
+    return _LockedDelivery(message, DELIVERY_HOLDS(message, now, attempt=attempt), chain_refusal(chain, now), now)
 
 
 def _lease_lost(locked: _LockedDelivery, delivery_id: str) -> exceptions.LeaseLost:
@@ -300,7 +313,7 @@ def delivery_reject(*, project_id: uuid.UUID, delivery_id: str, reason: str | No
 # Extend: the delivery's visibility, fenced like a claim's renewal ----------------------------
 
 # The delivery (message id, attempt) is still the message's current, unexpired one and its
-# run chain is active: ``_lock_delivery``'s test plus the refusal check, in one statement. A
+# run chain is active: ``DELIVERY_HOLDS`` plus the refusal check, in one statement. A
 # cancel does not touch in-flight messages, so the chain must be read here (a held task's
 # deadline stands for it in claims; a message has no such column). It is read, not locked:
 # an extend that commits just before a concurrent cancel only moves ``visible_at`` of a
@@ -309,12 +322,12 @@ def delivery_reject(*, project_id: uuid.UUID, delivery_id: str, reason: str | No
 EXTEND_SQL = f"""
 UPDATE coordination_message m
 SET visible_at = %(visible_until)s
-WHERE m.id = %(message_id)s AND m.project_id = %(project_id)s AND m.attempts = %(attempt)s
-  AND m.state = {literal(MessageState.IN_FLIGHT)} AND m.visible_at > %(now)s
+WHERE m.id = %(message_id)s AND m.project_id = %(project_id)s
+  AND {DELIVERY_HOLDS.sql("m", attempt="%(attempt)s")}
   AND NOT EXISTS (
       SELECT 1 FROM coordination_run r
       WHERE r.id = ANY (string_to_array(rtrim(m.run_path, '/'), '/')::uuid[])
-        AND (r.stored_state <> '{RunState.ACTIVE}' OR r.deadline <= %(now)s)
+        AND (r.stored_state <> {literal(RunState.ACTIVE)} OR r.deadline <= %(now)s)
   )
 RETURNING {columns(Message, "m")}
 """

@@ -3,16 +3,15 @@
 When a task may be claimed, when a claim still holds its task, when a lease may be taken
 over, when it is due for the sweep, and what its expiry does.
 
-A rule is a list of clauses, each written side by side as the Python test on a ``Task``, the
-SQL condition on the task row and, where a query needs it, the ORM filter. The single
+A rule (``services/rules.py``) is a list of clauses, each written side by side as the Python
+test on a ``Task``, the SQL condition on the task row and, where a query needs it, the ORM
+filter. The single
 statements render their ``WHERE`` from ``Rule.sql``, the careful path calls the rule on the
 row it locked, the careful claim and the sweeps filter with ``Rule.q``.
 ``tests/coordination/services/test_lease_rules.py`` checks on PostgreSQL that the three forms
 agree on a table of cases.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 
 from django.db.models import F, Q
@@ -20,39 +19,9 @@ from django.db.models import F, Q
 from coordination.models import Event, Task
 from coordination.services import dispatch, task_transitions
 from coordination.services.events import event_for
+from coordination.services.rules import Clause, Rule
 from coordination.services.sql import in_list, literal
 from coordination.states import TASK_HELD, TaskState
-
-
-@dataclass(frozen=True)
-class Clause:
-    """One condition of a rule, in each form it is used in."""
-
-    sql: str  # on the task row ``{t}``; ``%(now)s`` is the statement's clock, ``{name}`` a value given to ``Rule.sql``
-    holds: Callable[..., bool]  # (task, now, **values) -> bool
-    q: Callable[[datetime], Q] | None = None  # now -> filter; None when no query uses the clause
-
-
-class Rule:
-    """A conjunction of clauses: callable on a task, rendered as SQL, or as an ORM filter."""
-
-    def __init__(self, *clauses: Clause):
-        self.clauses = clauses
-
-    def __call__(self, task: Task, now: datetime, **values) -> bool:
-        """Tell whether the rule holds for ``task`` at ``now``."""
-        return all(clause.holds(task, now, **values) for clause in self.clauses)
-
-    def sql(self, alias: str = "t", **values: str) -> str:
-        """Return the rule as a SQL condition on the task row ``alias`` (``values``: SQL for each ``{name}``)."""
-        return " AND ".join(f"({clause.sql.format(t=alias, **values)})" for clause in self.clauses)
-
-    def q(self, now: datetime) -> Q:
-        """Return the rule as an ORM filter on tasks."""
-        condition = Q()
-        for clause in self.clauses:
-            condition &= clause.q(now)
-        return condition
 
 
 def _lease_ahead(task: Task, now: datetime) -> bool:
