@@ -4,9 +4,9 @@ Kept apart from the services (as procrastinate keeps ``worker.py`` apart from ``
 every state change here is one service call, and the database decides. One delivery of a
 Celery message runs ``execute``:
 
-1. claim the task by id under a lease (``task_claim_by_id``): a duplicate delivery, a task
-   someone else holds or a finished task answers None and the message is simply acked; an
-   inactive run refuses with its code;
+1. claim the task by id under a lease (``statements.claim_by_id``, as ``task_claim_by_id``):
+   a duplicate delivery, a task someone else holds or a finished task answers None and the
+   message is simply acked; an inactive run refuses with its code;
 2. run the handler with a ``TaskContext`` while the process's renewer (one thread for every
    claim the process holds, one batched statement per tick) renews the lease every third of
    its TTL and carries a cancellation request (or a lost claim) back as ``ctx.signal``; an
