@@ -132,3 +132,15 @@ def test_an_http_session_without_a_key_is_refused_as_a_tool_result(sdk, mcp_http
             assert error and body["error"]["code"] == "UNAUTHENTICATED", body
 
     asyncio.run(main())
+
+
+def test_the_mcp_server_imports_nothing_from_django():
+    import subprocess
+    import sys
+
+    from tests.mcp.conftest import ROOT
+
+    code = (
+        "import sys, runstate.mcp.server; sys.exit(any(m == 'django' or m.startswith('django.') for m in sys.modules))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
