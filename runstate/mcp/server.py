@@ -19,11 +19,11 @@ from pydantic import Field
 from runstate._async.client import AsyncRunstate
 from runstate._config import JsonDict
 from runstate._errors import AuthenticationError, RunstateError, ScopeInactiveError, TransportError
+from runstate.mcp import coordination
+from runstate.mcp.common import CHANGE, CREATE, DESTROY, READ, Answer, ClaimId, Mailbox, RunId, TimeoutMs, wrap
 from runstate.mcp.refusals import refusal_body
 from runstate.mcp.session import Session, held_view
 
-# The structured output of every tool: the API's object(s), plus ``cancellation`` while claims are held.
-Answer = Annotated[CallToolResult, dict[str, Any]]
 SESSION_STATE_KEY = "runstate.session"
 
 INSTRUCTIONS = """\
@@ -33,18 +33,6 @@ with task_complete, task_fail or task_release. Claims are renewed for you while 
 lives. Whenever an answer carries a non-empty `cancellation` list, stop the work it names and
 call task_complete for it. A refused call answers isError with error.code and error.nextStep:
 follow nextStep."""
-
-READ = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
-CREATE = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
-CHANGE = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
-DESTROY = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
-
-RunId = Annotated[str, Field(description="The run's id.")]
-Mailbox = Annotated[str, Field(description="The WORK mailbox's name.")]
-ClaimId = Annotated[str, Field(description="The claimId that task_claim answered.")]
-TimeoutMs = Annotated[
-    int, Field(ge=0, le=600_000, description="How long to wait, in milliseconds, before answering the current state.")
-]
 
 
 class ServerConfig:
@@ -113,7 +101,7 @@ def build_server(config: ServerConfig) -> MCPServer:
             body, failed = refusal_body(error), True
         except TimeoutError as error:
             body, failed = refusal_body(RunstateError(str(error), code="TIMEOUT")), True
-        if session.held:
+        if session.holds_anything():
             try:
                 await session.refresh(fresh=fresh() if fresh else frozenset())
             except RunstateError:
@@ -177,7 +165,7 @@ def build_server(config: ServerConfig) -> MCPServer:
         Its unfinished tasks become CANCELLED, its groups fail, its barriers and timers are
         cancelled; workers holding its claims are told to stop. Repeating it changes nothing.
         """
-        return await answer(ctx, lambda s: _wrap("run", s.rs.scope(runId).cancel(reason)))
+        return await answer(ctx, lambda s: wrap("run", s.rs.scope(runId).cancel(reason)))
 
     @tool("run_complete", DESTROY, "Complete a run")
     async def run_complete(ctx: Context, runId: RunId) -> Answer:
@@ -185,7 +173,7 @@ def build_server(config: ServerConfig) -> MCPServer:
 
         Call it when the run's goal is reached. Repeating it changes nothing.
         """
-        return await answer(ctx, lambda s: _wrap("run", s.rs.scope(runId).complete()))
+        return await answer(ctx, lambda s: wrap("run", s.rs.scope(runId).complete()))
 
     # ---- work -------------------------------------------------------------------------------
 
@@ -343,7 +331,7 @@ def build_server(config: ServerConfig) -> MCPServer:
 
         Answers TIMEOUT when it is still running after `timeoutMs`: call again to keep waiting.
         """
-        return await answer(ctx, lambda s: _wrap("task", s.rs.tasks.get(taskId).result(timeout_ms=timeoutMs)))
+        return await answer(ctx, lambda s: wrap("task", s.rs.tasks.get(taskId).result(timeout_ms=timeoutMs)))
 
     # ---- groups -----------------------------------------------------------------------------
 
@@ -404,7 +392,7 @@ def build_server(config: ServerConfig) -> MCPServer:
 
         Answers `{state, outcome, outcomeReason}`.
         """
-        return await answer(ctx, lambda s: _wrap("group", s.rs.groups.by_id(groupId).close()))
+        return await answer(ctx, lambda s: wrap("group", s.rs.groups.by_id(groupId).close()))
 
     @tool("group_verdict", CHANGE, "Record a verdict")
     async def group_verdict(
@@ -430,13 +418,10 @@ def build_server(config: ServerConfig) -> MCPServer:
 
         Answers TIMEOUT when undecided after `timeoutMs`: call again to keep waiting.
         """
-        return await answer(ctx, lambda s: _wrap("group", s.rs.groups.by_id(groupId).wait(timeout_ms=timeoutMs)))
+        return await answer(ctx, lambda s: wrap("group", s.rs.groups.by_id(groupId).wait(timeout_ms=timeoutMs)))
 
+    coordination.register(tool, answer)
     return server
-
-
-async def _wrap(name: str, call: Awaitable[JsonDict]) -> JsonDict:
-    return {name: await call}
 
 
 def stdio_config() -> ServerConfig:

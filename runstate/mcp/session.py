@@ -6,19 +6,58 @@ completes, fails or releases them, or the session ends: then renewal stops, and 
 takes the work over after its lease as after any crashed worker.
 """
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from runstate._async.client import AsyncRunstate
 from runstate._async.hold import AsyncHold
-from runstate._async.work import AsyncClaim
+from runstate._async.http import AsyncHttp
+from runstate._async.pools import AsyncPoolLease
+from runstate._async.work import AsyncClaim, AsyncDelivery
 from runstate._config import JsonDict
-from runstate._errors import ScopeInactiveError
+from runstate._errors import LeaseLostError, RunstateError, ScopeInactiveError
 
 logger = logging.getLogger("runstate.mcp")
 
 STOP = "Stop working on it and call task_complete for it (the task is recorded CANCELLED), or task_release."
+STOP_POOL = "Stop using these units and call pool_release."
+STOP_MESSAGE = "Stop handling this message: its run stopped, so message_complete is refused; drop it."
+DEFAULT_VISIBILITY_MS = 30_000
+
+
+@dataclass
+class HeldDelivery:
+    """A queue delivery the session holds, its visibility extended in the background until completed."""
+
+    delivery: AsyncDelivery
+    visibility_ms: int
+    keeper: "asyncio.Task[None] | None" = None
+    refused_code: str | None = None
+    lost: bool = False
+
+    async def keep_visible(self) -> None:
+        """Extend the visibility every third of it until refused (the run stopped, or the delivery is stale)."""
+        while True:
+            await asyncio.sleep(max(self.visibility_ms / 3000, 0.05))
+            try:
+                await self.delivery.extend(self.visibility_ms)
+            except ScopeInactiveError as error:
+                self.refused_code = error.code
+                return
+            except LeaseLostError:
+                self.lost = True
+                return
+            except RunstateError as error:  # the server is away: try again, the delivery may still hold
+                logger.warning("delivery %s: extend failed (%s); retrying", self.delivery.id, error)
+
+    async def stop(self) -> None:
+        """Stop extending (idempotent)."""
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
 
 
 @dataclass
@@ -49,7 +88,37 @@ class Session:
     rs: AsyncRunstate
     api_key: str | None = None  # the key the session started with (HTTP: its bearer key)
     held: dict[str, HeldClaim] = field(default_factory=dict)  # by claim id
-    lease_ttl_ms: dict[str, int] = field(default_factory=dict)  # by claim id: the TTL claimed with
+    pool_leases: dict[str, AsyncPoolLease] = field(default_factory=dict)  # by lease id
+    deliveries: dict[str, HeldDelivery] = field(default_factory=dict)  # by delivery id
+
+    def holds_anything(self) -> bool:
+        """Whether the session holds claims, pool leases or deliveries (its answers then carry ``cancellation``)."""
+        return bool(self.held or self.pool_leases or self.deliveries)
+
+    def hold_pool_lease(self, lease: AsyncPoolLease, lease_ttl_ms: int | None) -> None:
+        """Renew ``lease`` in the background until pool_release or the session's end."""
+        lease.start_renewing(lease_ttl_ms)
+        self.pool_leases[lease.id] = lease
+
+    async def drop_pool_lease(self, lease_id: str) -> AsyncPoolLease | None:
+        """Stop renewing the pool lease (the caller releases it); return what was held."""
+        lease = self.pool_leases.pop(lease_id, None)
+        if lease is not None:
+            await lease.stop_renewing()
+        return lease
+
+    def hold_delivery(self, delivery: AsyncDelivery, visibility_ms: int | None) -> None:
+        """Keep ``delivery`` invisible to others until message_complete or the session's end."""
+        held = HeldDelivery(delivery, visibility_ms or DEFAULT_VISIBILITY_MS)
+        held.keeper = asyncio.get_running_loop().create_task(held.keep_visible())
+        self.deliveries[delivery.id] = held
+
+    async def drop_delivery(self, delivery_id: str) -> HeldDelivery | None:
+        """Stop extending the delivery (the caller completes it); return what was held."""
+        held = self.deliveries.pop(delivery_id, None)
+        if held is not None:
+            await held.stop()
+        return held
 
     async def hold(self, claim: AsyncClaim, lease_ttl_ms: int | None) -> None:
         """Start renewing ``claim`` in the background for as long as the session lives."""
@@ -69,7 +138,12 @@ class Session:
         held = self.held.get(claim_id)
         if held is not None:
             return held.claim
-        return AsyncClaim(self.rs._http, {"claimId": claim_id, "attempt": 0, "task": {}})
+        return AsyncClaim(self.http, {"claimId": claim_id, "attempt": 0, "task": {}})
+
+    @property
+    def http(self) -> AsyncHttp:
+        """The client's HTTP plumbing, for handles on objects this session does not hold (the service fences them)."""
+        return self.rs._http
 
     async def refresh(self, *, fresh: frozenset[str] = frozenset()) -> None:
         """Renew every held claim but ``fresh`` ones in one request, to learn of cancellations now.
@@ -99,12 +173,28 @@ class Session:
                         "instruction": STOP,
                     }
                 )
+        for lease in self.pool_leases.values():
+            if lease.lost_reason == "scope_refused":
+                notes.append(
+                    {"poolLeaseId": lease.id, "runId": lease.data.get("runId"), "reason": "RUN_INACTIVE"}
+                    | {"instruction": STOP_POOL}
+                )
+        for held_delivery in self.deliveries.values():
+            if held_delivery.refused_code is not None:
+                notes.append(
+                    {"deliveryId": held_delivery.delivery.id, "reason": held_delivery.refused_code}
+                    | {"instruction": STOP_MESSAGE}
+                )
         return notes
 
     async def close(self) -> None:
         """Stop renewing everything (the session ended) and close the client; record nothing."""
         for claim_id in list(self.held):
             await self.release_hold(claim_id)
+        for lease_id in list(self.pool_leases):
+            await self.drop_pool_lease(lease_id)
+        for delivery_id in list(self.deliveries):
+            await self.drop_delivery(delivery_id)
         await self.rs.aclose()
 
 

@@ -1,8 +1,28 @@
 import asyncio
+import os
+import signal
 import time
+from pathlib import Path
 
+from coordination.services.sweeps import tasks_settle_expired_leases
 from runstate import Runstate
 from tests.mcp.conftest import call, http_session, stdio_session
+
+
+def mcp_server_pids() -> set[int]:
+    """The ``runstate mcp`` processes this test process spawned."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == os.getpid() and b"runstate.cli" in command and b"mcp" in command:
+            pids.add(int(entry.name))
+    return pids
 
 
 def setup_work(count: int, lease_ttl_ms: int = 30_000) -> tuple[str, str]:
@@ -91,8 +111,34 @@ def test_a_claim_held_three_lease_ttls_still_completes(sdk):
             error, body = await call(session, "task_claim", mailbox=mailbox, runId=run_id, leaseTtlMs=1000)
             claim = body["claims"][0]
             await asyncio.sleep(3.5)  # the agent thinks; the server renews
+            # The lease sweep finds nothing to take over.
+            await asyncio.to_thread(tasks_settle_expired_leases)
             error, done = await call(session, "task_complete", claimId=claim["claimId"], outcome=42)
             assert not error and done["task"]["state"] == "SUCCEEDED" and done["task"]["attempts"] == 1, done
+
+    asyncio.run(main())
+
+
+def test_a_killed_session_s_task_is_taken_over_by_another_after_its_lease(sdk):
+    mailbox, run_id = setup_work(1, lease_ttl_ms=1000)
+
+    async def main():
+        before = mcp_server_pids()
+        async with stdio_session(sdk.url, sdk.api_key) as first:
+            (pid,) = mcp_server_pids() - before
+            error, body = await call(first, "task_claim", mailbox=mailbox, runId=run_id)
+            task_id = body["claims"][0]["task"]["id"]
+            async with stdio_session(sdk.url, sdk.api_key) as second:
+                error, body = await call(second, "task_claim", mailbox=mailbox, runId=run_id)
+                assert not error and body["claims"] == [], body  # held by the first session
+                os.kill(pid, signal.SIGKILL)
+                await asyncio.sleep(1.5)  # past the lease, nobody renews it
+                await asyncio.to_thread(tasks_settle_expired_leases)
+                error, body = await call(second, "task_claim", mailbox=mailbox, runId=run_id, waitMs=5000)
+                (claim,) = body["claims"]
+                assert (claim["task"]["id"], claim["attempt"]) == (task_id, 2), body
+                error, body = await call(second, "task_complete", claimId=claim["claimId"], outcome="taken over")
+                assert not error and body["task"]["state"] == "SUCCEEDED", body
 
     asyncio.run(main())
 
