@@ -5,13 +5,16 @@ kept invisible) in the background until ``pool_release`` / ``message_complete`` 
 session's end, when renewal stops and they expire as a crashed worker's would.
 """
 
+import contextlib
 from typing import Annotated, Any
 
 from pydantic import Field
 
 from runstate._async.budgets import AsyncReservation
+from runstate._async.pools import AsyncPoolLease
 from runstate._async.work import AsyncDelivery
 from runstate._config import JsonDict
+from runstate._errors import RunstateError
 from runstate.mcp.common import CHANGE, CREATE, READ, Answer, Answerer, Ctx, RunId, TimeoutMs, ToolDecorator, wrap
 from runstate.mcp.session import Session
 
@@ -66,7 +69,9 @@ def _register_clock(tool: ToolDecorator, answer: Answerer) -> None:
 
         Answers TIMEOUT while it still waits after `timeoutMs` (call again), BARRIER_CANCELLED if its run was cancelled.
         """
-        return await answer(ctx, lambda s: wrap("barrier", s.rs.barriers.get(barrierId).wait(timeout_ms=timeoutMs)))
+        return await answer(
+            ctx, lambda s: wrap("barrier", s.rs.barriers.get(barrierId).wait(timeout_ms=timeoutMs)), wait_ms=timeoutMs
+        )
 
     @tool("timer_create", CREATE, "Arm a timer")
     async def timer_create(
@@ -98,7 +103,7 @@ def _register_clock(tool: ToolDecorator, answer: Answerer) -> None:
             await timer.wait(timeout_ms=timeoutMs)
             return {"timer": timer.data}
 
-        return await answer(ctx, do)
+        return await answer(ctx, do, wait_ms=timeoutMs)
 
 
 def _register_limits(tool: ToolDecorator, answer: Answerer) -> None:
@@ -117,15 +122,23 @@ def _register_limits(tool: ToolDecorator, answer: Answerer) -> None:
         Answers the `lease` (`leaseId`). This session renews it until you call pool_release (call
         it as soon as you are done). POOL_EXHAUSTED when no units came within `waitMs`.
         """
+        got: list[AsyncPoolLease] = []
 
         async def do(s: Session) -> JsonDict:
             lease = await s.rs.pools.acquire(
                 pool, run_id=runId, units=units, wait_ms=waitMs, lease_ttl_ms=leaseTtlMs, key=key
             )
+            got.append(lease)
             s.hold_pool_lease(lease, leaseTtlMs)
             return {"lease": lease.data}
 
-        return await answer(ctx, do)
+        async def undo(s: Session) -> None:  # cancelled after the grant: hand the units back
+            for lease in got:
+                await s.drop_pool_lease(lease.id)
+                with contextlib.suppress(RunstateError):
+                    await lease.release()
+
+        return await answer(ctx, do, undo=undo, wait_ms=waitMs)
 
     @tool("pool_release", CHANGE, "Release pool units")
     async def pool_release(
@@ -226,16 +239,24 @@ def _register_messages(tool: ToolDecorator, answer: Answerer) -> None:
         Answers `deliveries` (`deliveryId`, `body`). This session keeps them invisible to others
         until message_complete; if the session ends first, they are delivered again.
         """
+        got: list[AsyncDelivery] = []
 
         async def do(s: Session) -> JsonDict:
             deliveries = await s.rs.scope(runId).messages.receive(
                 mailbox, max=max, wait_ms=waitMs, visibility_ms=visibilityMs
             )
+            got.extend(deliveries)
             for delivery in deliveries:
                 s.hold_delivery(delivery, visibilityMs)
             return {"deliveries": [delivery.data for delivery in deliveries]}
 
-        return await answer(ctx, do)
+        async def undo(s: Session) -> None:  # cancelled after receiving: put the messages back at once
+            for delivery in got:
+                await s.drop_delivery(delivery.id)
+                with contextlib.suppress(RunstateError):
+                    await delivery.retry()
+
+        return await answer(ctx, do, undo=undo, wait_ms=waitMs)
 
     @tool("message_complete", CHANGE, "Acknowledge a message")
     async def message_complete(

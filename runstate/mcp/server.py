@@ -7,24 +7,32 @@ error. Every answer of a session that holds claims carries ``cancellation``: hel
 cancellation was requested or whose run stopped.
 """
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from time import monotonic
 from typing import Annotated, Any, Literal
 
+import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from runstate._async.client import AsyncRunstate
+from runstate._async.work import AsyncClaim
 from runstate._config import JsonDict
 from runstate._errors import AuthenticationError, RunstateError, ScopeInactiveError, TransportError
 from runstate.mcp import coordination
-from runstate.mcp.common import CHANGE, CREATE, DESTROY, READ, Answer, ClaimId, Mailbox, RunId, TimeoutMs, wrap
+from runstate.mcp.common import CHANGE, CREATE, DESTROY, READ, Answer, ClaimId, Doer, Mailbox, RunId, TimeoutMs, wrap
 from runstate.mcp.refusals import refusal_body
 from runstate.mcp.session import Session, held_view
 
 SESSION_STATE_KEY = "runstate.session"
+PROGRESS_EVERY_S = 1.0
+logger = logging.getLogger("runstate.mcp")
 
 INSTRUCTIONS = """\
 runstate coordinates a swarm of workers and agents. Take work with task_claim (mailbox and run),
@@ -80,18 +88,54 @@ def _result(body: JsonDict, *, error: bool = False) -> CallToolResult:
     return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=body, is_error=error)
 
 
+async def _report_progress(ctx: Context, wait_ms: int) -> None:
+    """Send a progress notification every ``PROGRESS_EVERY_S`` of a wait (a no-op without a progressToken)."""
+    started = monotonic()
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        waited_ms = int((monotonic() - started) * 1000)
+        try:
+            await ctx.report_progress(waited_ms, wait_ms, f"waited {waited_ms} of {wait_ms} ms")
+        except Exception:  # noqa: BLE001 - progress is a courtesy: a closed stream must not end the wait
+            logger.debug("progress notification not sent", exc_info=True)
+            return
+
+
 def build_server(config: ServerConfig) -> MCPServer:
     """Return the runstate MCP server (every tool registered), for stdio or streamable HTTP."""
     server = MCPServer("runstate", instructions=INSTRUCTIONS)
 
     async def answer(
-        ctx: Context, do: Callable[[Session], Awaitable[JsonDict]], *, fresh: Callable[[], frozenset[str]] | None = None
+        ctx: Context,
+        do: Doer,
+        *,
+        fresh: Callable[[], frozenset[str]] | None = None,
+        undo: Doer | None = None,
+        wait_ms: int | None = None,
     ) -> CallToolResult:
+        """Run ``do`` for the session and answer its result, a refusal, or ``cancellation`` news.
+
+        ``fresh``: held claims just taken (no need to renew them for the news). ``undo``: what
+        to hand back when the call is cancelled (``notifications/cancelled``) after taking
+        something, so nothing leaks. ``wait_ms``: the call waits; report progress meanwhile.
+        """
         try:
             session = session_of(ctx, config)
         except RunstateError as error:
             return _result(refusal_body(error), error=True)
+        try:
+            return await _answer(ctx, session, do, fresh, wait_ms)
+        except anyio.get_cancelled_exc_class():
+            if undo is not None:
+                with anyio.CancelScope(shield=True):
+                    await undo(session)
+            raise
+
+    async def _answer(
+        ctx: Context, session: Session, do: Doer, fresh: Callable[[], frozenset[str]] | None, wait_ms: int | None
+    ) -> CallToolResult:
         failed = False
+        ticker = asyncio.create_task(_report_progress(ctx, wait_ms)) if wait_ms else None
         try:
             body = await do(session)
         except TransportError as error:
@@ -101,6 +145,10 @@ def build_server(config: ServerConfig) -> MCPServer:
             body, failed = refusal_body(error), True
         except TimeoutError as error:
             body, failed = refusal_body(RunstateError(str(error), code="TIMEOUT")), True
+        finally:
+            if ticker is not None:
+                ticker.cancel()
+                await asyncio.gather(ticker, return_exceptions=True)
         if session.holds_anything():
             try:
                 await session.refresh(fresh=fresh() if fresh else frozenset())
@@ -230,16 +278,22 @@ def build_server(config: ServerConfig) -> MCPServer:
         `task` (its `input`). This session renews the lease for you until you call task_complete,
         task_fail or task_release; if the session ends first, the task is taken over by another worker.
         """
-        taken: list[str] = []
+        got: list[AsyncClaim] = []
 
         async def do(s: Session) -> JsonDict:
             claims = await s.rs.scope(runId).tasks.claim(mailbox, max=max, wait_ms=waitMs, lease_ttl_ms=leaseTtlMs)
+            got.extend(claims)
             for claim in claims:
                 await s.hold(claim, leaseTtlMs)
-                taken.append(claim.id)
             return {"claims": [claim.data for claim in claims]}
 
-        return await answer(ctx, do, fresh=lambda: frozenset(taken))
+        async def undo(s: Session) -> None:  # cancelled after the claims were taken: hand them back
+            for claim in got:
+                await s.release_hold(claim.id)
+                with contextlib.suppress(RunstateError):
+                    await claim.release()
+
+        return await answer(ctx, do, fresh=lambda: frozenset(claim.id for claim in got), undo=undo, wait_ms=waitMs)
 
     @tool("task_heartbeat", CHANGE, "Check in on a claim")
     async def task_heartbeat(ctx: Context, claimId: ClaimId) -> Answer:
@@ -331,7 +385,9 @@ def build_server(config: ServerConfig) -> MCPServer:
 
         Answers TIMEOUT when it is still running after `timeoutMs`: call again to keep waiting.
         """
-        return await answer(ctx, lambda s: wrap("task", s.rs.tasks.get(taskId).result(timeout_ms=timeoutMs)))
+        return await answer(
+            ctx, lambda s: wrap("task", s.rs.tasks.get(taskId).result(timeout_ms=timeoutMs)), wait_ms=timeoutMs
+        )
 
     # ---- groups -----------------------------------------------------------------------------
 
@@ -418,7 +474,9 @@ def build_server(config: ServerConfig) -> MCPServer:
 
         Answers TIMEOUT when undecided after `timeoutMs`: call again to keep waiting.
         """
-        return await answer(ctx, lambda s: wrap("group", s.rs.groups.by_id(groupId).wait(timeout_ms=timeoutMs)))
+        return await answer(
+            ctx, lambda s: wrap("group", s.rs.groups.by_id(groupId).wait(timeout_ms=timeoutMs)), wait_ms=timeoutMs
+        )
 
     coordination.register(tool, answer)
     return server
