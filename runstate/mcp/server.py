@@ -12,11 +12,12 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from time import monotonic
 from typing import Annotated, Any, Literal
 
 import anyio
+from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
@@ -25,7 +26,7 @@ from runstate._async.client import AsyncRunstate
 from runstate._async.work import AsyncClaim
 from runstate._config import JsonDict
 from runstate._errors import AuthenticationError, RunstateError, ScopeInactiveError, TransportError
-from runstate.mcp import coordination
+from runstate.mcp import coordination, resources
 from runstate.mcp.common import CHANGE, CREATE, DESTROY, READ, Answer, ClaimId, Doer, Mailbox, RunId, TimeoutMs, wrap
 from runstate.mcp.refusals import refusal_body
 from runstate.mcp.session import Session, held_view
@@ -52,9 +53,8 @@ class ServerConfig:
         self.keys_from_requests = keys_from_requests
 
 
-def _bearer(ctx: Context) -> str:
-    headers = ctx.headers or {}
-    value = headers.get("authorization") or headers.get("Authorization") or ""
+def _bearer(headers: Mapping[str, str] | None) -> str:
+    value = (headers or {}).get("authorization") or ""
     scheme, _, key = value.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise AuthenticationError(
@@ -63,15 +63,16 @@ def _bearer(ctx: Context) -> str:
     return key.strip()
 
 
-def session_of(ctx: Context, config: ServerConfig) -> Session:
+def session_of(request: ServerRequestContext[Any, Any], config: ServerConfig) -> Session:
     """Return the session's runstate state, made on its first call; ended with the MCP connection."""
     # The per-connection state and teardown of mcp 2.x (``Connection.state`` / ``exit_stack``):
     # one connection is one MCP session on stdio and on streamable HTTP alike.
-    connection = ctx.session._connection
+    connection = request.session._connection
     session: Session | None = connection.state.get(SESSION_STATE_KEY)
-    key = _bearer(ctx) if config.keys_from_requests else config.api_key
+    key = _bearer(getattr(request.request, "headers", None)) if config.keys_from_requests else config.api_key
     if session is None:
         session = Session(AsyncRunstate(base_url=config.base_url, api_key=key), api_key=key)
+        session.send_resource_updated = connection.send_resource_updated
         connection.state[SESSION_STATE_KEY] = session
         connection.exit_stack.push_async_callback(session.close)
     elif session.api_key != key:
@@ -120,7 +121,7 @@ def build_server(config: ServerConfig) -> MCPServer:
         something, so nothing leaks. ``wait_ms``: the call waits; report progress meanwhile.
         """
         try:
-            session = session_of(ctx, config)
+            session = session_of(ctx.request_context, config)
         except RunstateError as error:
             return _result(refusal_body(error), error=True)
         try:
@@ -479,6 +480,7 @@ def build_server(config: ServerConfig) -> MCPServer:
         )
 
     coordination.register(tool, answer)
+    resources.register(server, lambda request: session_of(request, config))
     return server
 
 

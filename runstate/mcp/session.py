@@ -8,6 +8,7 @@ takes the work over after its lease as after any crashed worker.
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,9 @@ class Session:
     held: dict[str, HeldClaim] = field(default_factory=dict)  # by claim id
     pool_leases: dict[str, AsyncPoolLease] = field(default_factory=dict)  # by lease id
     deliveries: dict[str, HeldDelivery] = field(default_factory=dict)  # by delivery id
+    # Resource subscriptions: a watcher of the event log per subscribed URI, and how to notify the client.
+    watchers: "dict[str, asyncio.Task[None]]" = field(default_factory=dict)
+    send_resource_updated: Callable[[str], Awaitable[None]] | None = None
 
     def holds_anything(self) -> bool:
         """Whether the session holds claims, pool leases or deliveries (its answers then carry ``cancellation``)."""
@@ -195,7 +199,16 @@ class Session:
             await self.drop_pool_lease(lease_id)
         for delivery_id in list(self.deliveries):
             await self.drop_delivery(delivery_id)
+        for uri in list(self.watchers):
+            await self.unwatch(uri)
         await self.rs.aclose()
+
+    async def unwatch(self, uri: str) -> None:
+        """Stop watching ``uri`` for changes (idempotent)."""
+        watcher = self.watchers.pop(uri, None)
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
 
 def held_view(held: HeldClaim) -> dict[str, Any]:

@@ -32,15 +32,15 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def stdio_session(url: str, api_key: str):
-    """One MCP session over stdio: a ``runstate mcp`` process of its own."""
+async def stdio_session(url: str, api_key: str, **options):
+    """One MCP session over stdio: a ``runstate mcp`` process of its own (``options`` for ``ClientSession``)."""
     params = StdioServerParameters(
         command=sys.executable,
         args=["-m", "runstate.cli", "mcp"],
         env=child_env(RUNSTATE_URL=url, RUNSTATE_API_KEY=api_key),
         cwd=str(ROOT),
     )
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+    async with stdio_client(params) as (read, write), ClientSession(read, write, **options) as session:
         await session.initialize()
         yield session
 
