@@ -190,3 +190,15 @@ def test_the_mcp_server_imports_nothing_from_django():
         "import sys, runstate.mcp.server; sys.exit(any(m == 'django' or m.startswith('django.') for m in sys.modules))"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
+
+
+def test_the_http_transport_refuses_a_foreign_host_header(mcp_http):
+    """DNS-rebinding protection: a page on another origin cannot reach the local server through its own name."""
+    import httpx
+
+    headers = {"Host": "evil.example", "Accept": "application/json, text/event-stream"}
+    answer = httpx.post(mcp_http, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, timeout=10)
+    assert answer.status_code == 421
+    headers = {"Origin": "http://evil.example", "Accept": "application/json, text/event-stream"}
+    answer = httpx.post(mcp_http, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, timeout=10)
+    assert answer.status_code == 403
