@@ -226,6 +226,27 @@ def build_server(config: ServerConfig) -> MCPServer:
 
     # ---- work -------------------------------------------------------------------------------
 
+    @tool("mailbox_ensure", CHANGE, "Ensure a mailbox")
+    async def mailbox_ensure(
+        ctx: Context,
+        name: Annotated[str, Field(description="The mailbox's name.")],
+        mode: Annotated[Literal["WORK", "QUEUE"], Field(description="WORK holds tasks; QUEUE holds messages.")],
+        leaseTtlMs: Annotated[int | None, Field(ge=1000, description="A claim's lease (default 30 s).")] = None,
+        maxAttempts: Annotated[
+            int | None, Field(ge=1, description="Claims per task before it fails (default 3).")
+        ] = None,
+    ) -> Answer:
+        """Make sure a mailbox exists before submitting to it (idempotent; needs the resource_config permission).
+
+        Answers the `mailbox`. MAILBOX_MODE_CONFLICT when it exists with the other mode.
+        """
+
+        async def do(s: Session) -> JsonDict:
+            mailbox = await s.rs.mailboxes.ensure(name, mode=mode, lease_ttl_ms=leaseTtlMs, max_attempts=maxAttempts)
+            return {"mailbox": mailbox}
+
+        return await answer(ctx, do)
+
     @tool("task_submit", CREATE, "Submit tasks")
     async def task_submit(
         ctx: Context,

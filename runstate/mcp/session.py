@@ -90,6 +90,7 @@ class Session:
     api_key: str | None = None  # the key the session started with (HTTP: its bearer key)
     held: dict[str, HeldClaim] = field(default_factory=dict)  # by claim id
     pool_leases: dict[str, AsyncPoolLease] = field(default_factory=dict)  # by lease id
+    mailbox_ttl_ms: dict[str, int] = field(default_factory=dict)  # the lease TTL of each mailbox claimed from
     deliveries: dict[str, HeldDelivery] = field(default_factory=dict)  # by delivery id
     # Resource subscriptions: a watcher of the event log per subscribed URI, and how to notify the client.
     watchers: "dict[str, asyncio.Task[None]]" = field(default_factory=dict)
@@ -125,7 +126,16 @@ class Session:
         return held
 
     async def hold(self, claim: AsyncClaim, lease_ttl_ms: int | None) -> None:
-        """Start renewing ``claim`` in the background for as long as the session lives."""
+        """Start renewing ``claim`` in the background for as long as the session lives.
+
+        Without ``lease_ttl_ms`` the claim has its mailbox's TTL, read once per session and
+        mailbox (the holder would otherwise read the mailbox at every claim).
+        """
+        if lease_ttl_ms is None:
+            mailbox = str(claim.task.get("mailbox"))
+            if mailbox not in self.mailbox_ttl_ms:
+                self.mailbox_ttl_ms[mailbox] = int((await self.rs.mailboxes.retrieve(mailbox))["leaseTtlMs"])
+            lease_ttl_ms = self.mailbox_ttl_ms[mailbox]
         hold = claim.hold(lease_ttl_ms=lease_ttl_ms)
         await hold.__aenter__()
         self.held[claim.id] = HeldClaim(claim, hold)
