@@ -512,7 +512,9 @@ def stdio_config() -> ServerConfig:
 
 def run_stdio() -> None:
     """Serve one session on stdin/stdout until the client closes it."""
-    build_server(stdio_config()).run("stdio")
+    from runstate.mcp import stdio
+
+    stdio.run(build_server(stdio_config()))
 
 
 def run_http(host: str, port: int) -> None:
