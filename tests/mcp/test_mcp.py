@@ -171,6 +171,21 @@ def test_a_key_bound_to_a_run_gets_not_found_for_another_run_over_http(sdk, make
     asyncio.run(main())
 
 
+def test_an_http_session_holds_its_claims_between_calls(sdk, mcp_http):
+    mailbox, run_id = setup_work(1)
+
+    async def main():
+        async with http_session(mcp_http, sdk.api_key) as session:
+            error, body = await call(session, "task_claim", mailbox=mailbox, runId=run_id)
+            claim = body["claims"][0]
+            error, body = await call(session, "run_status", runId=run_id)
+            assert not error and body["cancellation"] == [], body  # still held by this session
+            error, body = await call(session, "task_complete", claimId=claim["claimId"], outcome=1)
+            assert not error and body["task"]["state"] == "SUCCEEDED" and "cancellation" not in body, body
+
+    asyncio.run(main())
+
+
 def test_an_http_session_without_a_key_is_refused_as_a_tool_result(sdk, mcp_http):
     async def main():
         async with http_session(mcp_http, "") as session:
