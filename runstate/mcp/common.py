@@ -15,6 +15,8 @@ Answer = Annotated[CallToolResult, dict[str, Any]]
 # ``answer(ctx, do)``: run ``do`` with the session's runstate state and turn its end into a tool result.
 Answerer = Callable[..., Awaitable[CallToolResult]]
 Doer = Callable[[Session], Awaitable[JsonDict]]
+# What a cancelled call hands back (``answer(..., undo=...)``).
+Undoer = Callable[[Session], Awaitable[None]]
 # ``tool(name, annotations, title)``: the server's decorator registering a tool.
 ToolDecorator = Callable[[str, ToolAnnotations, str], Callable[[Any], Any]]
 Ctx = Context

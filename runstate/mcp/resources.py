@@ -74,10 +74,10 @@ def changes(kind: str, object_id: str, event: JsonDict) -> bool:
 
 async def latest_cursor(session: Session, run_id: str) -> str | None:
     """Page to the end of the run's events and return the cursor after the last one."""
-    cursor = None
+    cursor: str | None = None
     while True:
         page = await session.rs.events.list(after=cursor, run_id=run_id, limit=PAGE)
-        cursor = page["nextCursor"]
+        cursor = str(page["nextCursor"])
         if len(page["events"]) < PAGE:
             return cursor
 

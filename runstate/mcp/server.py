@@ -27,7 +27,20 @@ from runstate._async.work import AsyncClaim
 from runstate._config import JsonDict
 from runstate._errors import AuthenticationError, RunstateError, ScopeInactiveError, TransportError
 from runstate.mcp import coordination, resources
-from runstate.mcp.common import CHANGE, CREATE, DESTROY, READ, Answer, ClaimId, Doer, Mailbox, RunId, TimeoutMs, wrap
+from runstate.mcp.common import (
+    CHANGE,
+    CREATE,
+    DESTROY,
+    READ,
+    Answer,
+    ClaimId,
+    Doer,
+    Mailbox,
+    RunId,
+    TimeoutMs,
+    Undoer,
+    wrap,
+)
 from runstate.mcp.refusals import refusal_body
 from runstate.mcp.session import Session, held_view
 
@@ -111,7 +124,7 @@ def build_server(config: ServerConfig) -> MCPServer:
         do: Doer,
         *,
         fresh: Callable[[], frozenset[str]] | None = None,
-        undo: Doer | None = None,
+        undo: Undoer | None = None,
         wait_ms: int | None = None,
     ) -> CallToolResult:
         """Run ``do`` for the session and answer its result, a refusal, or ``cancellation`` news.
