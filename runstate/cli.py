@@ -267,6 +267,26 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 # main -----------------------------------------------------------------------------------
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """Serve the MCP server: stdio, or streamable HTTP at /mcp with ``--http HOST:PORT``."""
+    try:
+        from runstate.mcp import server
+    except ImportError as exc:  # the extra is not installed
+        raise ConfigError(f"needs the mcp package: pip install 'runstate[mcp]' ({exc})") from exc
+    if args.url:
+        os.environ["RUNSTATE_URL"] = args.url
+    if args.http is None:
+        if args.api_key:
+            os.environ["RUNSTATE_API_KEY"] = args.api_key
+        server.run_stdio()
+        return 0
+    host, _, port = args.http.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"--http takes HOST:PORT (or :PORT), not {args.http!r}")
+    server.run_http(host or "127.0.0.1", int(port))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the ``runstate`` command."""
     common = argparse.ArgumentParser(add_help=False)
@@ -275,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", help="log debug lines too")
 
     parser = argparse.ArgumentParser(prog="runstate", description="runstate's command line: workers and operators.")
-    verbs = parser.add_subparsers(dest="verb", metavar="{worker,status,cancel}", required=True)
+    verbs = parser.add_subparsers(dest="verb", metavar="{worker,status,cancel,mcp}", required=True)
 
     worker = verbs.add_parser(
         "worker",
@@ -316,6 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("run_id", metavar="RUN_ID")
     cancel.add_argument("--reason", help="why (recorded on the run)")
     cancel.set_defaults(func=cmd_cancel)
+
+    mcp = verbs.add_parser(
+        "mcp",
+        parents=[common],
+        help="serve the MCP server for agents (stdio, or --http HOST:PORT)",
+        description="An MCP server whose tools claim, heartbeat, decide and wait; see docs/mcp.md.",
+    )
+    mcp.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve streamable HTTP at /mcp (each session sends its own key as Authorization: Bearer); "
+        "HOST defaults to 127.0.0.1",
+    )
+    mcp.set_defaults(func=cmd_mcp)
     return parser
 
 

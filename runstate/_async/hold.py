@@ -44,6 +44,14 @@ class AsyncHold:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.claim.id}>"
 
+    async def detach(self) -> None:
+        """Stop renewing without recording anything: the caller records the claim's end itself.
+
+        For holders that outlive one ``async with`` block (the MCP server holds a session's claims
+        between tool calls and records ``task_complete`` / ``task_fail`` / ``task_release`` as asked).
+        """
+        await self._holder.stop()
+
     async def __aenter__(self) -> AsyncHoldContext:
         await self._holder.enter()
         return self.ctx

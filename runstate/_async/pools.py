@@ -89,6 +89,10 @@ class AsyncPoolLease:
             self._lease_ttl_ms = lease_ttl_ms or self._lease_ttl_ms
             self._renewer = asyncio.get_running_loop().create_task(self._renew_forever())
 
+    async def stop_renewing(self) -> None:
+        """Stop the background renewal without releasing: the lease then expires after its TTL."""
+        await self._stop_renewing()
+
     async def _stop_renewing(self) -> None:
         renewer, self._renewer = self._renewer, None
         if renewer is not None and renewer is not asyncio.current_task():

@@ -68,19 +68,23 @@ class Holder:
         engine._held[self.claim.id] = held
         self._renewer = asyncio.create_task(engine._renew_loop(), name=f"runstate-hold-{self.claim.task_id}")
 
+    async def stop(self) -> None:
+        """Stop renewing and forget the claim, recording nothing (idempotent)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+        self.engine._held.pop(self.claim.id, None)
+        if self.held.handler is not None and not self.held.handler.done():
+            self.held.handler.cancel()
+
     async def exit(self, error: BaseException | None) -> RunstateError | None:
         """Stop renewing and record what the block did, as ``consume`` records a handler's end.
 
         Returns the service's refusal of that record (``None`` when it was recorded).
         """
-        if self._renewer is not None:
-            # No renewal may race the record (a renewal after a complete would be refused and trip the signal).
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
+        # No renewal may race the record (a renewal after a complete would be refused and trip the signal).
+        await self.stop()
         engine, held, ctx = self.engine, self.held, self.ctx
-        engine._held.pop(self.claim.id, None)
-        if held.handler is not None and not held.handler.done():
-            held.handler.cancel()
         released = isinstance(ctx, _HoldOutcome) and ctx.released
         cancel_requested = ctx.stop_reason == "cancellation_requested" or self.claim.cancellation_requested
         if error is not None and not isinstance(error, Exception):

@@ -59,11 +59,12 @@ def alive(pid: int) -> bool:
 
 
 def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(tmp_path):
-    port = free_port()
+    port, mcp_port = free_port(), free_port()
     env = {
         **os.environ,
         **database_env(),
         "PORT": str(port),
+        "MCP_PORT": str(mcp_port),
         "WEB_CONCURRENCY": "2",
         "RUNSTATE_VAR_DIR": str(tmp_path / "var"),
         "PYTHONUNBUFFERED": "1",
@@ -119,7 +120,12 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
                 break
             time.sleep(0.2)
         assert len(workers) == 2, (workers, log())
-        seen = [master, *children(master)]
+        # The MCP server for agents, printed beside the API key (it refuses a foreign Host).
+        assert f"MCP:      http://127.0.0.1:{mcp_port}/mcp" in output.read_text(), log()
+        (mcp,) = [pid for pid in children(script.pid) if "runstate.cli mcp --http" in command_line(pid)]
+        answer = httpx.post(f"http://127.0.0.1:{mcp_port}/mcp", headers={"Host": "evil.example"}, json={}, timeout=10)
+        assert answer.status_code == 421
+        seen = [master, *children(master), mcp]
 
         script.send_signal(signal.SIGINT)
         assert script.wait(STOP_S) == 130, log()

@@ -1,0 +1,99 @@
+"""Real MCP clients against ``runstate mcp``: stdio (a spawned process per session) and streamable HTTP.
+
+The servers run THIS checkout's code (``python -m runstate.cli`` with the checkout first on
+``PYTHONPATH``) against the SDK tests' live API server (``tests/sdk/conftest.py``).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx2
+import pytest
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from tests.sdk.conftest import make_key, sdk, sdk_server  # noqa: F401 - fixtures
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@asynccontextmanager
+async def stdio_session(url: str, api_key: str, **options):
+    """One MCP session over stdio: a ``runstate mcp`` process of its own (``options`` for ``ClientSession``)."""
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "runstate.cli", "mcp"],
+        env=child_env(RUNSTATE_URL=url, RUNSTATE_API_KEY=api_key),
+        cwd=str(ROOT),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write, **options) as session:
+        await session.initialize()
+        yield session
+
+
+@asynccontextmanager
+async def http_session(url: str, api_key: str):
+    """One MCP session over streamable HTTP, sending its key (if any) as ``Authorization: Bearer``."""
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {api_key}"} if api_key else {}, timeout=60) as client,
+        streamable_http_client(url, http_client=client) as streams,
+        ClientSession(streams[0], streams[1]) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mcp_http(sdk_server):  # noqa: F811
+    """``runstate mcp --http`` on a free port for the module; yields its /mcp URL."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "runstate.cli", "mcp", "--http", f"127.0.0.1:{port}"],
+        cwd=ROOT,
+        env=child_env(RUNSTATE_URL=sdk_server.url),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("runstate mcp --http did not start") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+async def call(session: ClientSession, tool: str, **arguments):
+    """Call a tool; return ``(is_error, structured content)``."""
+    result = await session.call_tool(tool, arguments)
+    body = result.structured_content
+    if body is None:
+        body = json.loads(result.content[0].text)
+    return bool(result.is_error), body
