@@ -113,8 +113,9 @@ def _create_partition(cursor, day: date) -> None:
     cursor.execute(f"LOCK TABLE {DEFAULT_PARTITION} IN ACCESS EXCLUSIVE MODE")
     cursor.execute(f"CREATE TABLE {name} (LIKE {PARENT} INCLUDING DEFAULTS)")
     # The attach then need not scan the new table to prove its rows are in range.
+    # (DDL takes no bound parameters: the bounds are literals made from a date.)
     cursor.execute(
-        f"ALTER TABLE {name} ADD CONSTRAINT {name}_range CHECK (created_at >= %s AND created_at < %s)", [start, end]
+        f"ALTER TABLE {name} ADD CONSTRAINT {name}_range CHECK (created_at >= '{start}' AND created_at < '{end}')"
     )
     cursor.execute(
         f"WITH moved AS (DELETE FROM {DEFAULT_PARTITION} WHERE created_at >= %s AND created_at < %s "
