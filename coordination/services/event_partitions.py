@@ -16,15 +16,16 @@ there. On SQLite the table stays plain and none of this runs.
 Both run from the beat task ``runstate.prune_events`` (``workers/tasks.py``), hourly.
 
 Locks, always in this order: the transaction advisory lock ``PARTITION_LOCK`` (so two beat
-ticks, or a creator and a dropper, never interleave their DDL), then the DEFAULT partition,
-then the parent table. Creating a partition is ``CREATE TABLE`` then ``ATTACH PARTITION``,
-which takes only SHARE UPDATE EXCLUSIVE on the parent, so event writers and readers carry on;
-it holds the DEFAULT partition (ACCESS EXCLUSIVE) for the moment it takes to check it is
-empty of the day's rows. Dropping a partition takes ACCESS EXCLUSIVE on the parent: every
-statement on the event table waits for the drop (a catalog change), and the drop waits for
-every transaction that has touched the table. ``lock_timeout`` (``DDL_LOCK_TIMEOUT``) bounds
-both waits: a drop or creation that cannot have its locks in time gives up and is retried at
-the next tick, rather than queueing every event writer behind a long transaction.
+ticks, or a creator and a dropper, never interleave their DDL); when creating, the project
+table (the new partition's foreign key); then the DEFAULT partition; then the parent table.
+Creating a partition is ``CREATE TABLE`` then ``ATTACH PARTITION``, which takes only SHARE
+UPDATE EXCLUSIVE on the parent, so event writers and readers carry on; it holds the DEFAULT
+partition (ACCESS EXCLUSIVE) for the moment it takes to check it is empty of the day's rows.
+Dropping a partition takes ACCESS EXCLUSIVE on the parent: every statement on the event
+table waits for the drop (a catalog change), and the drop waits for every transaction that
+has touched the table. ``lock_timeout`` (``DDL_LOCK_TIMEOUT``) bounds both waits: a drop or
+creation that cannot have its locks in time gives up and is retried at the next tick, rather
+than queueing every event writer behind a long transaction.
 """
 
 import logging
@@ -108,15 +109,27 @@ def _create_partition(cursor, day: date) -> None:
     """Create and attach ``day``'s partition, moving in the rows the DEFAULT partition holds for it."""
     name = partition_name(day)
     start, end = day_bounds(day)
-    # First the DEFAULT partition: no event of the day can land there between the move and
-    # the attach (which checks it holds none).
-    cursor.execute(f"LOCK TABLE {DEFAULT_PARTITION} IN ACCESS EXCLUSIVE MODE")
-    cursor.execute(f"CREATE TABLE {name} (LIKE {PARENT} INCLUDING DEFAULTS)")
-    # The attach then need not scan the new table to prove its rows are in range.
-    # (DDL takes no bound parameters: the bounds are literals made from a date.)
+    # The table first, complete with the parent's indexes and foreign keys (the attach then
+    # adopts them instead of building them while it holds the DEFAULT partition), and a
+    # check of its range so the attach need not scan it. (DDL takes no bound parameters:
+    # the bounds are literals made from a date.)
+    cursor.execute(f"CREATE TABLE {name} (LIKE {PARENT} INCLUDING DEFAULTS INCLUDING INDEXES)")
+    cursor.execute(
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'f'",
+        [PARENT],
+    )
+    for number, (definition,) in enumerate(cursor.fetchall()):
+        cursor.execute(f"ALTER TABLE {name} ADD CONSTRAINT {name}_fk{number} {definition}")
+        # Checked at once: a deferred check of the rows moved in below would still be pending
+        # at the attach, which PostgreSQL refuses.
+        cursor.execute(f"SET CONSTRAINTS {name}_fk{number} IMMEDIATE")
     cursor.execute(
         f"ALTER TABLE {name} ADD CONSTRAINT {name}_range CHECK (created_at >= '{start}' AND created_at < '{end}')"
     )
+    # Then the DEFAULT partition: no event of the day can land there between the move and
+    # the attach (which checks it holds none). Readers of the event table wait on it from
+    # here to the commit: a move of the day's rows, if any, and the attach.
+    cursor.execute(f"LOCK TABLE {DEFAULT_PARTITION} IN ACCESS EXCLUSIVE MODE")
     cursor.execute(
         f"WITH moved AS (DELETE FROM {DEFAULT_PARTITION} WHERE created_at >= %s AND created_at < %s "
         f"RETURNING {_COLUMNS}) INSERT INTO {name} ({_COLUMNS}) SELECT {_COLUMNS} FROM moved",

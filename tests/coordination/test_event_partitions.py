@@ -250,6 +250,17 @@ def test_partitions_are_created_ahead_once_when_two_creators_race(drop_new_parti
         for offset in range(4):
             assert days.count(start + timedelta(days=offset)) == 1
         assert event_partitions_create_ahead(days=3, today=start) == 0
+    # A partition created ahead is shaped like one the migration made: the parent's indexes
+    # and foreign key, adopted as its own copies.
+    name = partition_name(base)
+    assert _sql(
+        "SELECT count(*) FROM pg_index x JOIN pg_inherits i ON i.inhrelid = x.indexrelid "
+        "WHERE x.indrelid = %s::regclass",
+        [name],
+    ) == [(3,)]
+    assert _sql(
+        "SELECT contype, conparentid <> 0 FROM pg_constraint WHERE conrelid = %s::regclass ORDER BY contype", [name]
+    ) == [("f", True), ("p", True)]
 
 
 @postgres_only
