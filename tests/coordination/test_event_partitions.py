@@ -11,6 +11,7 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 from django.db.migrations.executor import MigrationExecutor
@@ -22,6 +23,7 @@ from coordination.services import event_partitions
 from coordination.services.event_partitions import (
     DEFAULT_PARTITION,
     event_partition_days,
+    event_partition_drop_expired,
     event_partitions_create_ahead,
     partition_name,
 )
@@ -389,6 +391,37 @@ def test_retention_drops_only_whole_expired_days_and_a_reader_keeps_its_place(se
     assert [event_id for event_id in seen if event_id in kept] == after_cursor
     # Nothing is left to prune.
     assert events_prune() == 0
+
+
+@postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_drop_that_cannot_have_its_lock_in_time_gives_up_until_the_next_tick(settings, drop_new_partitions):
+    """A transaction holding the event table (here a reader, as a pg_dump would) keeps the drop
+    from its lock: the drop gives up after ``lock_timeout`` instead of queueing every event
+    writer behind it, writers carry on, and the next tick drops the day."""
+    settings.RUNSTATE_EVENT_RETENTION_DAYS = 7
+    project = project_ensure(name="partitions-lock")
+    old_day = _today() - timedelta(days=30)
+    assert event_partitions_create_ahead(days=0, today=old_day) == 1
+    _insert_events(project.id, [(5, _noon(old_day))])
+    s = connection.settings_dict
+    with psycopg.connect(
+        host=s["HOST"] or "127.0.0.1",
+        port=s["PORT"] or 5432,
+        user=s["USER"] or None,
+        password=s.get("PASSWORD") or None,
+        dbname=s["NAME"],
+    ) as other:
+        other.execute("SELECT count(*) FROM coordination_event")
+        try:
+            assert event_partition_drop_expired() == 0
+            assert old_day in event_partition_days()
+            run_create(project_id=project.id)
+        finally:
+            other.rollback()
+    assert event_partition_drop_expired() == 1
+    assert old_day not in event_partition_days()
+    assert Event.objects.filter(project=project).values_list("type", flat=True).get() == "run.created"
 
 
 @pytest.mark.django_db(transaction=True)
