@@ -36,13 +36,13 @@ from django.conf import settings
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
+from coordination.models import Event
+
 log = logging.getLogger(__name__)
 
 PARENT = "coordination_event"
 DEFAULT_PARTITION = "coordination_event_default"
 _DAY_NAME = re.compile(r"^coordination_event_p(\d{8})$")
-# The columns of an event row in table order, for moving rows between partitions.
-_COLUMNS = "id, txid, type, run_id, run_path, subject_id, data, created_at, project_id"
 
 # pg_advisory_xact_lock(int, int): runstate's class ('rs' in ASCII), then this lock's number.
 # The two-int key space never meets the bigint one the run locks use (services/locking.py).
@@ -130,9 +130,10 @@ def _create_partition(cursor, day: date) -> None:
     # the attach (which checks it holds none). Readers of the event table wait on it from
     # here to the commit: a move of the day's rows, if any, and the attach.
     cursor.execute(f"LOCK TABLE {DEFAULT_PARTITION} IN ACCESS EXCLUSIVE MODE")
+    columns = ", ".join(field.column for field in Event._meta.concrete_fields)
     cursor.execute(
         f"WITH moved AS (DELETE FROM {DEFAULT_PARTITION} WHERE created_at >= %s AND created_at < %s "
-        f"RETURNING {_COLUMNS}) INSERT INTO {name} ({_COLUMNS}) SELECT {_COLUMNS} FROM moved",
+        f"RETURNING {columns}) INSERT INTO {name} ({columns}) SELECT {columns} FROM moved",
         [start, end],
     )
     if cursor.rowcount:
