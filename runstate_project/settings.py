@@ -313,6 +313,8 @@ RUNSTATE_MAX_WAIT_MS = 30_000
 # get it from the periodic dispatch of upcoming timers (the 1 s sweep covers both anyway).
 RUNSTATE_ETA_HORIZON_S = int(os.environ.get("RUNSTATE_ETA_HORIZON_S", "300"))
 RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAYS", "7"))
+# PostgreSQL: the event table's daily partitions beat keeps created ahead of today (UTC).
+RUNSTATE_EVENT_PARTITIONS_AHEAD_DAYS = int(os.environ.get("RUNSTATE_EVENT_PARTITIONS_AHEAD_DAYS", "3"))
 # Requests per API key per window ("<count>/<s|min|h|day>"; "off" disables): 429 RATE_LIMITED beyond.
 # A batch counts its items. The default is twice what one key drives through a two-process
 # API in bench/throughput.py's batched scenario (about 5,000 items/s), so a busy worker is

@@ -137,9 +137,16 @@ def dispatch_upcoming_timers() -> int:
 
 @shared_task(name="runstate.prune_events", ignore_result=True)
 def prune_events() -> int:
-    """Delete events older than the retention setting, in small batches."""
+    """Keep the event log's partitions ahead of time, then prune events past the retention setting.
+
+    On PostgreSQL the next days' partitions are created first (``services/event_partitions.py``),
+    then whole expired days are dropped; on SQLite expired rows are deleted in small batches.
+    """
+    from coordination.services.event_partitions import event_partitions_create_ahead
     from coordination.services.events import events_prune
 
+    close_old_connections()
+    event_partitions_create_ahead()
     return _drain(events_prune, budget_s=30)
 
 

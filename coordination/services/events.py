@@ -1,13 +1,13 @@
 """Writing events, always inside the transaction of the change they describe."""
 
-from datetime import timedelta
 from typing import Any
 
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Func, IntegerField, Value
 from django.utils import timezone
 
 from coordination.models import Event, Run
+from coordination.services import event_partitions
 
 
 class CurrentTxid(Func):
@@ -117,11 +117,17 @@ def events_record_many(events: list[Event]) -> None:
 
 
 def events_prune(*, batch_size: int = 5000) -> int:
-    """Delete one batch of events older than ``RUNSTATE_EVENT_RETENTION_DAYS``; return how many."""
-    from django.conf import settings
-    from django.db import transaction
+    """Prune one step of events older than ``RUNSTATE_EVENT_RETENTION_DAYS``; return its size, 0 when done.
 
-    cutoff = timezone.now() - timedelta(days=settings.RUNSTATE_EVENT_RETENTION_DAYS)
+    On a partitioned event table (PostgreSQL, ``services/event_partitions.py``) a step drops
+    one whole expired day's partition (counted 1), or else deletes a batch of the DEFAULT
+    partition's expired rows. On SQLite it deletes a batch of expired rows.
+    """
+    if event_partitions.is_partitioned():
+        return event_partitions.event_partition_drop_expired() or event_partitions.event_default_prune(
+            batch_size=batch_size
+        )
+    cutoff = event_partitions.retention_cutoff()
     with transaction.atomic():
         ids = list(Event.objects.filter(created_at__lt=cutoff).order_by("id").values_list("id", flat=True)[:batch_size])
         if ids:
