@@ -34,9 +34,14 @@ PER_REQUEST = {"x-request-id", "date"}
 
 @pytest.fixture
 def servers(tmp_path):
-    """Two API processes, each counting its own metrics (no multiprocess directory)."""
-    env = {"RUNSTATE_METRICS_TOKEN": SCRAPE_TOKEN, "PROMETHEUS_MULTIPROC_DIR": "", "RUNSTATE_DB_POOL_SIZE": "5"}
-    with uvicorn_server(tmp_path / "first", **env) as first, uvicorn_server(tmp_path / "second", **env) as second:
+    """Two API processes, each counting its own metrics (a multiprocess directory each)."""
+    env = {"RUNSTATE_METRICS_TOKEN": SCRAPE_TOKEN, "RUNSTATE_DB_POOL_SIZE": "5"}
+    for name in ("first", "second"):
+        (tmp_path / f"{name}-metrics").mkdir()
+    with (
+        uvicorn_server(tmp_path / "first", PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "first-metrics"), **env) as first,
+        uvicorn_server(tmp_path / "second", PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "second-metrics"), **env) as second,
+    ):
         yield [first, second]
 
 
