@@ -44,11 +44,23 @@ _read_executor = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix
 thread_release: ContextVar[Callable[[], None] | None] = ContextVar("runstate_thread_release", default=None)
 
 
-def _park() -> None:
-    """Give the request's thread back for the wait (its connection must already be closed)."""
+# Whether the current request's wait parked: its connection was closed and its thread given
+# back, so nothing of the request is left on a thread (``AsyncApiView.shared_answer``).
+_parked: ContextVar[bool] = ContextVar("runstate_wait_parked", default=False)
+
+
+async def _park() -> None:
+    """Close the request's connection and give its thread back for the wait."""
+    await sync_to_async(_close_connection)()
+    _parked.set(True)
     release = thread_release.get()
     if release is not None:
         release()
+
+
+def parked() -> bool:
+    """Tell whether the current request's last wait parked (its connection closed, its thread given back)."""
+    return _parked.get()
 
 
 class Answer:
@@ -222,26 +234,25 @@ async def long_poll[T](
 ) -> T:
     """Call ``read`` until ``done(value)`` or ``timeout_ms`` passes; return the last value.
 
-    The first read runs on the request's thread, after the wait joined its watch (subscribed),
-    so a commit between that read and the wait still wakes it; the request's connection is
-    closed after it (``db``), so an answer leaves nothing to close on a thread. Then the wait
-    gives its thread back and takes the watch's re-reads: shared with every wait of the same
-    ``share`` key in the process (``read`` must then depend on nothing else than the key
-    says), or its own without a key. ``due_in_s(value)``, when given, says when a
-    time-based change is due (a timer), so the next re-read happens then rather than at the
-    next recheck.
+    The first read runs like any request, after the wait joined its watch (subscribed), so a
+    commit between that read and the wait still wakes it. Then the request's connection is
+    closed, its thread given back (``parked()`` tells), and the wait takes the watch's
+    re-reads: shared with every wait of the same ``share`` key in the process (``read`` must
+    then depend on nothing else than the key says), or its own without a key.
+    ``due_in_s(value)``, when given, says when a time-based change is due (a timer), so the
+    next re-read happens then rather than at the next recheck.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
     watch = _join(share if share is not None else object(), read, topics, due_in_s)
+    _parked.set(False)
     try:
-        # On the request's thread, which then holds no connection, whether it answers or waits.
-        value = await db(read)
+        value = await in_request(read)
         if done(value) or timeout_ms <= 0:
             return value
         watch.offer(value)
         logger.debug("watch %r: a waiter parked (%d waiting)", watch.key, watch.members)
-        _park()
+        await _park()
         metrics.WAITERS_PARKED.inc()
         try:
             while True:
@@ -276,8 +287,7 @@ async def claim_long_poll[T](
         if claims or timeout_ms <= 0:
             return claims
         watch.offer(None)
-        await sync_to_async(_close_connection)()
-        _park()
+        await _park()
         while True:
             came, _ = await watch.next_read(deadline - loop.time())
             if not came:

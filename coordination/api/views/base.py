@@ -8,9 +8,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from coordination import metrics
-from coordination.api import waits
+from coordination.api import longpoll, waits
 from coordination.api.bodies import plain_body
-from coordination.api.longpoll import Answer
 from coordination.api.serializers import ErrorOut
 from coordination.selectors import Visibility
 
@@ -76,12 +75,13 @@ class SharedAnswerResponse(HttpResponse):
     """A wait's answer, rendered once (``AsyncApiView.shared_answer``) and sent to each of its waiters.
 
     A plain ``HttpResponse`` holding the rendered bytes: Django renders a DRF ``Response`` in
-    a thread hop per request, this one has nothing left to render. Its request holds nothing
-    on a thread (``long_poll`` closed its connection), so the API's ASGI handler finishes it
-    (``close``: the request-finished signal) on the event loop, without a hop either.
+    a thread hop per request, this one has nothing left to render. When its request parked
+    (``longpoll.parked()``: its connection closed, its thread given back), nothing of it is
+    left on a thread, and ``close_on_loop`` lets the API's ASGI handler finish it (``close``:
+    the request-finished signal) on the event loop, without a hop either.
     """
 
-    close_on_loop = True
+    close_on_loop = False
 
 
 class AsyncApiView(AsyncAPIView, ApiView):
@@ -113,7 +113,7 @@ class AsyncApiView(AsyncAPIView, ApiView):
         if wait_ms > 0 and self._wait is None:
             self._wait = waits.wait_take(api_key_id=self.request.user.api_key.id)
 
-    def shared_answer(self, answer: Answer, *, wait: str, status: int = 200) -> HttpResponse:
+    def shared_answer(self, answer: longpoll.Answer, *, wait: str, status: int = 200) -> HttpResponse:
         """Answer with ``answer``'s body, rendered once for every request that answers with it.
 
         The rendering is DRF's own (the ``Response`` this view would return, rendered by the
@@ -137,6 +137,7 @@ class AsyncApiView(AsyncAPIView, ApiView):
 
         content_type, content = answer.rendered((JSONRenderer, media_type, status), render)
         response = SharedAnswerResponse(content, status=status)
+        response.close_on_loop = longpoll.parked()
         if content_type is None:
             del response["Content-Type"]
         else:
