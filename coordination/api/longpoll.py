@@ -49,8 +49,8 @@ thread_release: ContextVar[Callable[[], None] | None] = ContextVar("runstate_thr
 _parked: ContextVar[bool] = ContextVar("runstate_wait_parked", default=False)
 
 
-async def _park() -> None:
-    """Close the request's connection and give its thread back for the wait."""
+async def park() -> None:
+    """Close the request's connection and give its thread back for the wait (a long-poll, a stream)."""
     await sync_to_async(_close_connection)()
     _parked.set(True)
     release = thread_release.get()
@@ -252,7 +252,7 @@ async def long_poll[T](
             return value
         watch.offer(value)
         logger.debug("watch %r: a waiter parked (%d waiting)", watch.key, watch.members)
-        await _park()
+        await park()
         metrics.WAITERS_PARKED.inc()
         try:
             while True:
@@ -287,7 +287,7 @@ async def claim_long_poll[T](
         if claims or timeout_ms <= 0:
             return claims
         watch.offer(None)
-        await _park()
+        await park()
         while True:
             came, _ = await watch.next_read(deadline - loop.time())
             if not came:
