@@ -34,7 +34,7 @@ from datetime import datetime
 
 from django.db.models import Count, Min
 from django.utils import timezone
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from coordination.models import Barrier, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
@@ -66,6 +66,27 @@ HTTP_LATENCY = Histogram(
     "Time to answer an HTTP request (to the response headers, for streams), by method and route.",
     ["method", "route"],
     buckets=LATENCY_BUCKETS,
+)
+
+
+# Waits, in this process (with PROMETHEUS_MULTIPROC_DIR, the live processes added up).
+WAITS_HELD = Gauge(
+    "runstate_waits_held",
+    "Long-polls and event streams holding a place under RUNSTATE_MAX_WAITS_PER_KEY.",
+    multiprocess_mode="livesum",
+)
+WAITERS_PARKED = Gauge(
+    "runstate_waiters_parked",
+    "Long-polls parked on a watch (no thread, no connection), waiting for its next read.",
+    multiprocess_mode="livesum",
+)
+WATCHES = Gauge(
+    "runstate_watches", "Watches: objects long-polled, each read once per wake-up.", multiprocess_mode="livesum"
+)
+WAIT_ANSWERS_RENDERED = Counter(
+    "runstate_wait_answers_rendered_total",
+    "Wait answers rendered to bytes, by wait; each rendering is sent to every waiter the same read answers.",
+    ["wait"],
 )
 
 

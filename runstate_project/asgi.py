@@ -11,19 +11,23 @@ Requests under ``/v1/`` go through a handler of their own (``ApiASGIHandler``):
   request-finished signal (which gives the database connection back to the pool) run in
   one call there. Django's own handler crosses three times (the signals and the view each
   on their own) and watches for a disconnect that cannot stop a synchronous view anyway.
-  Asynchronous views take Django's path unchanged;
+  Asynchronous views (the waits, the event stream) take Django's path, but a wait's shared
+  answer (``SharedAnswerResponse``: already rendered, its request holding nothing on a
+  thread) is finished on the event loop instead of in a thread hop;
 - that thread is taken from a small pool of idle ones, rather than started for the request
-  and ended with it;
+  and ended with it; a wait gives it back while it waits (``longpoll.thread_release``), so
+  a parked waiter holds no thread;
 - the process caches of API keys and mailboxes are on (``coordination/process_cache.py``);
 - a body is checked before it is read, and read no further than the limit
   (``coordination/api/edge.py``): a declared size over the limit is a 413, a body to an
   endpoint that needs a key is a 401 without a usable one, both before a byte of it is read.
 """
 
+import asyncio
 import functools
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
 from django.conf import settings
@@ -64,6 +68,31 @@ class _SyncApiHandler(BaseHandler):
         _load_api_middleware(self, is_async=False)
 
 
+class _RequestThread(Executor):
+    """The thread of one request's synchronous work: an idle one, taken at its first call.
+
+    Every call of the request runs on that thread (the request's database connection lives
+    there) until ``let_go`` gives it back: a wait does so once its connection is closed, and
+    a later call takes an idle thread again. The request gives back what it holds when it
+    ends.
+    """
+
+    def __init__(self, handler: "ApiASGIHandler") -> None:
+        self._handler = handler
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, fn, /, *args, **kwargs):  # noqa: D102 - see the class
+        if self._executor is None:
+            self._executor = self._handler.take_thread()
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def let_go(self) -> None:
+        """Give the thread back (nothing of the request may be left on it)."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            self._handler.give_thread(executor)
+
+
 class ApiASGIHandler(ASGIHandler):
     """Django's ASGI handler for ``/v1/``: ``API_MIDDLEWARE``, one thread hop per synchronous view, pooled threads."""
 
@@ -72,6 +101,17 @@ class ApiASGIHandler(ASGIHandler):
         self._sync = _SyncApiHandler()
         self._idle: list[ThreadPoolExecutor] = []
         self._caches_on = False
+
+    def take_thread(self) -> ThreadPoolExecutor:
+        """Return an idle request thread, or a new one."""
+        return self._idle.pop() if self._idle else ThreadPoolExecutor(1, thread_name_prefix="runstate-api")
+
+    def give_thread(self, executor: ThreadPoolExecutor) -> None:
+        """Keep ``executor`` for a later request, or end it beyond ``IDLE_REQUEST_THREADS``."""
+        if len(self._idle) < IDLE_REQUEST_THREADS:
+            self._idle.append(executor)
+        else:
+            executor.shutdown(wait=False)
 
     async def __call__(self, scope, receive, send):  # noqa: D102 - see the class
         if scope["type"] != "http":
@@ -82,16 +122,16 @@ class ApiASGIHandler(ASGIHandler):
             self._caches_on = True
             process_cache.enable()
         # One thread for all of this request's synchronous work, as Django's own handler
-        # gives it (ThreadSensitiveContext), but one that served an earlier request.
-        executor = self._idle.pop() if self._idle else ThreadPoolExecutor(1, thread_name_prefix="runstate-api")
+        # gives it (ThreadSensitiveContext), but one that served an earlier request, and
+        # given back while the request waits.
+        thread = _RequestThread(self)
+        token = longpoll.thread_release.set(thread.let_go)
         try:
-            async with ThreadSensitiveContext(executor=executor):
+            async with ThreadSensitiveContext(executor=thread):
                 await self.handle(scope, receive, send)
         finally:
-            if len(self._idle) < IDLE_REQUEST_THREADS:
-                self._idle.append(executor)
-            else:
-                executor.shutdown(wait=False)
+            longpoll.thread_release.reset(token)
+            thread.let_go()
 
     def load_middleware(self, is_async=False):  # noqa: D102
         _load_api_middleware(self, is_async)
@@ -103,7 +143,7 @@ class ApiASGIHandler(ASGIHandler):
         receive = edge.bounded(receive, edge.body_limit())
         if _view_is_async(scope["path"]):
             try:
-                return await super().handle(scope, receive, send)
+                return await self._handle_async_view(scope, receive, send)
             except edge.BodyTooLarge:  # raised while reading the body, before anything was sent
                 return await self.send_response(edge.too_large(), send)
         try:
@@ -120,6 +160,67 @@ class ApiASGIHandler(ASGIHandler):
                 await sync_to_async(response.close, thread_sensitive=True)()
         finally:
             body_file.close()
+
+    async def _handle_async_view(self, scope, receive, send):
+        """Django's ``ASGIHandler.handle``, but a ``close_on_loop`` response is closed without a thread hop.
+
+        A wait's shared answer (``SharedAnswerResponse``) has nothing left on a thread: its
+        ``close`` (the request-finished signal: the connections and caches of the calling
+        thread, which the event loop's thread has none of) runs here. Everything else is
+        Django's: the request-started signal, the disconnect watch that cancels a wait whose
+        client left, and ``close`` in a hop for any other response.
+        """
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        await signals.request_started.asend(sender=self.__class__, scope=scope)
+        request, error_response = self.create_request(scope, body_file)
+        if request is None:
+            body_file.close()
+            await self.send_response(error_response, send)
+            await sync_to_async(error_response.close)()
+            return
+
+        async def process_request(request, send):
+            response = await self.run_get_response(request)
+            try:
+                await self.send_response(response, send)
+            except asyncio.CancelledError:
+                pass  # the client left while it was sent
+            return response
+
+        tasks = [
+            asyncio.create_task(self.listen_for_disconnect(receive)),
+            asyncio.create_task(process_request(request, send)),
+        ]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            if task.done():
+                try:
+                    task.result()
+                except RequestAborted:
+                    pass  # the client left
+                except AssertionError:
+                    body_file.close()
+                    raise
+            else:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        try:
+            response = tasks[1].result()
+        except asyncio.CancelledError:
+            await signals.request_finished.asend(sender=self.__class__)
+        else:
+            if getattr(response, "close_on_loop", False):
+                response.close()
+            else:
+                await sync_to_async(response.close)()
+        body_file.close()
 
     def _respond(self, scope, body_file):
         """Answer a request to a synchronous view, from the request-started signal to the request-finished one."""
@@ -203,7 +304,7 @@ def _route(api, site):
 
 
 site = get_asgi_application()  # sets Django up
-from coordination.api import edge  # noqa: E402 - its models need Django set up
+from coordination.api import edge, longpoll  # noqa: E402 - its models need Django set up
 
 if settings.RUNSTATE_SERVE_STATIC:
     site = StaticFilesHandler(site)

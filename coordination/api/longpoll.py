@@ -4,9 +4,15 @@ Every long-poll reads once on the request's own connection, as any request does,
 closes that connection and waits. Waits on the same object in one process share a
 *watch* (``share=`` names it: the object and everything the read depends on, such as the
 caller's visibility): one subscription to the object's topics and one re-read per wake-up,
-on a small thread pool of its own, whose result (already rendered by ``read``) answers every
-waiter of the object. A thousand waiters on one group cost one read and one rendering per
-wake-up per process, not a thousand. A wait without ``share`` has a watch of its own.
+on a small thread pool of its own, whose result answers every waiter of the object. A read
+that answers returns its body as an ``Answer``: the view renders it to bytes once
+(``AsyncApiView.shared_answer``) and every waiter answered by the same read is sent those
+bytes. A thousand waiters on one group cost one read and one rendering per wake-up per
+process, not a thousand. A wait without ``share`` has a watch of its own.
+
+A parked waiter holds no database connection and no thread: its connection is closed before
+it waits, and the thread of its request goes back to the handler's idle ones
+(``thread_release``, set by ``runstate_project/asgi.py``) until the request needs one again.
 """
 
 import asyncio
@@ -14,10 +20,12 @@ import logging
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 
 from asgiref.sync import sync_to_async
 from django.db import connection
 
+from coordination import metrics
 from coordination.notify import SQLITE_POLL_S, hub
 
 logger = logging.getLogger(__name__)
@@ -29,6 +37,52 @@ RECHECK_S = 1.0
 READ_THREADS = 8
 
 _read_executor = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="runstate-read")
+
+# Gives the current request's thread back while the request waits (it holds nothing there:
+# its connection is closed). Set per request by the API's ASGI handler; None elsewhere (the
+# test client, the dashboard), where a waiter keeps its thread.
+thread_release: ContextVar[Callable[[], None] | None] = ContextVar("runstate_thread_release", default=None)
+
+
+# Whether the current request's wait parked: its connection was closed and its thread given
+# back, so nothing of the request is left on a thread (``AsyncApiView.shared_answer``).
+_parked: ContextVar[bool] = ContextVar("runstate_wait_parked", default=False)
+
+
+async def park() -> None:
+    """Close the request's connection and give its thread back for the wait (a long-poll, a stream)."""
+    await sync_to_async(_close_connection)()
+    _parked.set(True)
+    release = thread_release.get()
+    if release is not None:
+        release()
+
+
+def parked() -> bool:
+    """Tell whether the current request's last wait parked (its connection closed, its thread given back)."""
+    return _parked.get()
+
+
+class Answer:
+    """A wait's answer body, shared by every waiter answered by the same read.
+
+    ``rendered(key, render)`` keeps each rendering (by renderer, media type and status), so
+    the body is rendered to bytes once however many waiters it answers.
+    """
+
+    __slots__ = ("data", "_rendered")
+
+    def __init__(self, data: object) -> None:
+        self.data = data
+        self._rendered: dict[Hashable, object] = {}
+
+    def rendered[R](self, key: Hashable, render: Callable[[], R]) -> R:
+        """Return the rendering of ``key``, calling ``render`` only the first time."""
+        try:
+            return self._rendered[key]  # type: ignore[return-value]
+        except KeyError:
+            value = self._rendered[key] = render()
+            return value
 
 
 async def in_request[T](fn: Callable[..., T], *args, **kwargs) -> T:
@@ -153,6 +207,7 @@ def _join(key: Hashable, read: Callable | None, topics: Iterable[object], due_in
     watch = by_key.get(key)
     if watch is None:
         watch = by_key[key] = Watch(key, read, topics, due_in_s)
+        metrics.WATCHES.inc()
     watch.members += 1
     return watch
 
@@ -163,6 +218,7 @@ def _leave(watch: Watch) -> None:
         by_key = watches()
         if by_key.get(watch.key) is watch:
             del by_key[watch.key]
+        metrics.WATCHES.dec()
         watch.task.cancel()
         hub.unsubscribe(watch.subscription)
 
@@ -180,29 +236,34 @@ async def long_poll[T](
 
     The first read runs like any request, after the wait joined its watch (subscribed), so a
     commit between that read and the wait still wakes it. Then the request's connection is
-    closed, and the wait takes the watch's re-reads: shared with every wait of the same
-    ``share`` key in the process (``read`` must then depend on nothing else than the key
-    says), or its own without a key. ``due_in_s(value)``, when given, says when a
-    time-based change is due (a timer), so the next re-read happens then rather than at the
-    next recheck.
+    closed, its thread given back (``parked()`` tells), and the wait takes the watch's
+    re-reads: shared with every wait of the same ``share`` key in the process (``read`` must
+    then depend on nothing else than the key says), or its own without a key.
+    ``due_in_s(value)``, when given, says when a time-based change is due (a timer), so the
+    next re-read happens then rather than at the next recheck.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
     watch = _join(share if share is not None else object(), read, topics, due_in_s)
+    _parked.set(False)
     try:
         value = await in_request(read)
         if done(value) or timeout_ms <= 0:
             return value
         watch.offer(value)
         logger.debug("watch %r: a waiter parked (%d waiting)", watch.key, watch.members)
-        await sync_to_async(_close_connection)()
-        while True:
-            came, new_value = await watch.next_read(deadline - loop.time())
-            if not came:
-                return value
-            value = new_value
-            if done(value):
-                return value
+        await park()
+        metrics.WAITERS_PARKED.inc()
+        try:
+            while True:
+                came, new_value = await watch.next_read(deadline - loop.time())
+                if not came:
+                    return value
+                value = new_value
+                if done(value):
+                    return value
+        finally:
+            metrics.WAITERS_PARKED.dec()
     finally:
         _leave(watch)
 
@@ -226,7 +287,7 @@ async def claim_long_poll[T](
         if claims or timeout_ms <= 0:
             return claims
         watch.offer(None)
-        await sync_to_async(_close_connection)()
+        await park()
         while True:
             came, _ = await watch.next_read(deadline - loop.time())
             if not came:

@@ -18,7 +18,7 @@ from collections import Counter
 
 from django.conf import settings
 
-from coordination import exceptions
+from coordination import exceptions, metrics
 
 _lock = threading.Lock()  # the in-process test client runs views on loops of several threads
 _held: Counter[uuid.UUID] = Counter()
@@ -37,6 +37,7 @@ class Place:
             if self.released:
                 return
             self.released = True
+            metrics.WAITS_HELD.dec()
             _held[self.api_key_id] -= 1
             if _held[self.api_key_id] <= 0:
                 del _held[self.api_key_id]
@@ -52,6 +53,7 @@ def wait_take(*, api_key_id: uuid.UUID) -> Place:
                 maxWaitsPerKey=cap,
             )
         _held[api_key_id] += 1
+        metrics.WAITS_HELD.inc()
     return Place(api_key_id)
 
 

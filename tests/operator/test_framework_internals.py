@@ -11,6 +11,7 @@ bump them together with this file.
 """
 
 import asyncio
+import hashlib
 import inspect
 import io
 import re
@@ -273,6 +274,42 @@ def test_thread_sensitive_context_runs_on_the_given_executor_and_leaves_it_runni
         )
     finally:
         executor.shutdown()
+
+
+def test_a_request_thread_lease_serves_a_context_and_goes_back_to_the_idle_threads():
+    where = f"{ASGI} _RequestThread (ThreadSensitiveContext(executor=...) given an Executor that is no pool)"
+    handler = asgi.ApiASGIHandler()
+
+    async def request():
+        lease = asgi._RequestThread(handler)
+        async with ThreadSensitiveContext(executor=lease):
+            first = await sync_to_async(threading.get_ident)()
+            again = await sync_to_async(threading.get_ident)()
+            lease.let_go()  # a wait parks: the thread goes back
+            idle_while_parked = len(handler._idle)
+            await sync_to_async(threading.get_ident)()  # a later call takes one again
+        lease.let_go()
+        return first, again, idle_while_parked
+
+    first, again, idle_while_parked = asyncio.run(request())
+    assert first == again, revisit(where, "two thread-sensitive calls of one context ran on different threads")
+    assert idle_while_parked == 1, revisit(where, "the thread given back did not reach the idle ones")
+    assert len(handler._idle) == 1
+    handler._idle.pop().shutdown()
+
+
+# The hash of Django's ASGIHandler.handle as ``_handle_async_view`` copies it (Django 6.0.x).
+DJANGO_HANDLE_SHA256 = "98faeb5bef800331e6a8002fbc96b30e4122a23438ae45a047190a531ea11323"
+
+
+def test_django_handle_is_the_one_our_async_view_branch_copies():
+    where = f"{ASGI} ApiASGIHandler._handle_async_view (a copy of ASGIHandler.handle)"
+    source = inspect.getsource(ASGIHandler.handle)
+    assert hashlib.sha256(source.encode()).hexdigest() == DJANGO_HANDLE_SHA256, revisit(
+        where, "django.core.handlers.asgi.ASGIHandler.handle changed: bring the copy in line, then its hash here"
+    )
+    assert params(ASGIHandler.listen_for_disconnect) == ["self", "receive"], revisit(where, "listen_for_disconnect")
+    assert params(ASGIHandler.run_get_response) == ["self", "request"], revisit(where, "run_get_response")
 
 
 def test_sync_to_async_takes_an_executor_when_not_thread_sensitive():

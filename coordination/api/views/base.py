@@ -1,10 +1,14 @@
 """The base of every API view."""
 
 from adrf.views import APIView as AsyncAPIView
+from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiResponse
+from rest_framework.renderers import JSONRenderer
+from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from coordination.api import waits
+from coordination import metrics
+from coordination.api import longpoll, waits
 from coordination.api.bodies import plain_body
 from coordination.api.serializers import ErrorOut
 from coordination.selectors import Visibility
@@ -67,6 +71,19 @@ class ApiView(APIView):
         return serializer.validated_data
 
 
+class SharedAnswerResponse(HttpResponse):
+    """A wait's answer, rendered once (``AsyncApiView.shared_answer``) and sent to each of its waiters.
+
+    A plain ``HttpResponse`` holding the rendered bytes: Django renders a DRF ``Response`` in
+    a thread hop per request, this one has nothing left to render. When its request parked
+    (``longpoll.parked()``: its connection closed, its thread given back), nothing of it is
+    left on a thread, and ``close_on_loop`` lets the API's ASGI handler finish it (``close``:
+    the request-finished signal) on the event loop, without a hop either.
+    """
+
+    close_on_loop = False
+
+
 class AsyncApiView(AsyncAPIView, ApiView):
     """An API view whose handlers are ``async def`` (long-polls).
 
@@ -95,6 +112,37 @@ class AsyncApiView(AsyncAPIView, ApiView):
         """
         if wait_ms > 0 and self._wait is None:
             self._wait = waits.wait_take(api_key_id=self.request.user.api_key.id)
+
+    def shared_answer(self, answer: longpoll.Answer, *, wait: str, status: int = 200) -> HttpResponse:
+        """Answer with ``answer``'s body, rendered once for every request that answers with it.
+
+        The rendering is DRF's own (the ``Response`` this view would return, rendered by the
+        negotiated renderer), kept on ``answer`` by renderer, media type and status: the
+        waiters a read answers get the same bytes and ``Content-Type``, and each then goes
+        through ``finalize_response`` and the middleware like any answer (``Allow``, the
+        request id, the security headers). A renderer other than JSON renders per request.
+        """
+        request = self.request
+        renderer, media_type = request.accepted_renderer, request.accepted_media_type
+        if type(renderer) is not JSONRenderer:
+            return Response(answer.data, status=status)
+
+        def render() -> tuple[str | None, bytes]:
+            response = Response(answer.data, status=status)
+            response.accepted_renderer, response.accepted_media_type = renderer, media_type
+            response.renderer_context = self.get_renderer_context()
+            content = response.rendered_content
+            metrics.WAIT_ANSWERS_RENDERED.labels(wait).inc()
+            return response.get("Content-Type"), content
+
+        content_type, content = answer.rendered((JSONRenderer, media_type, status), render)
+        response = SharedAnswerResponse(content, status=status)
+        response.close_on_loop = longpoll.parked()
+        if content_type is None:
+            del response["Content-Type"]
+        else:
+            response["Content-Type"] = content_type
+        return response
 
     def hand_over_wait(self) -> waits.Place:
         """Take a place for a wait that outlives the view (a stream): whoever ends the wait releases it."""

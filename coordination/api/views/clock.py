@@ -6,7 +6,7 @@ from rest_framework.response import Response
 
 from coordination import exceptions, selectors
 from coordination.api import serializers as s
-from coordination.api.longpoll import long_poll
+from coordination.api.longpoll import Answer, long_poll
 from coordination.api.presenters import present_barrier, present_timer
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.services import barriers as barrier_services
@@ -83,9 +83,9 @@ class BarrierWaitView(AsyncApiView):
 
         def read():
             barrier = selectors.barrier_get(visibility, ref)
-            return barrier, present_barrier(barrier)
+            return barrier, Answer(present_barrier(barrier))
 
-        barrier, body = await long_poll(
+        barrier, answer = await long_poll(
             read,
             done=lambda pair: pair[0].state != BarrierState.WAITING,
             topics=[ref],
@@ -94,7 +94,7 @@ class BarrierWaitView(AsyncApiView):
         )
         if barrier.state == BarrierState.CANCELLED:
             raise exceptions.BarrierCancelled(barrierId=str(barrier.id))
-        return Response(body)
+        return self.shared_answer(answer, wait="barrier")
 
 
 class TimerCollectionView(ApiView):
@@ -138,9 +138,9 @@ class TimerWaitView(AsyncApiView):
         def read():
             timer = selectors.timer_get(visibility, ref)
             timer = timer_services.timer_acknowledge(project_id=project_id, timer_id=timer.id)
-            return timer, present_timer(timer)
+            return timer, Answer(present_timer(timer))
 
-        _, body = await long_poll(
+        _, answer = await long_poll(
             read,
             done=lambda pair: pair[0].state == TimerState.ACKNOWLEDGED,
             topics=[ref],
@@ -148,7 +148,7 @@ class TimerWaitView(AsyncApiView):
             due_in_s=lambda pair: (pair[0].fire_at - timezone.now()).total_seconds(),
             share=("timer", ref, visibility, project_id),
         )
-        return Response(body)
+        return self.shared_answer(answer, wait="timer")
 
 
 class TimerCancelView(ApiView):

@@ -5,7 +5,7 @@ from rest_framework.response import Response
 
 from coordination import selectors
 from coordination.api import serializers as s
-from coordination.api.longpoll import long_poll
+from coordination.api.longpoll import Answer, long_poll
 from coordination.api.presenters import present_decision, present_group, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.services import groups as group_services
@@ -72,16 +72,16 @@ class GroupWaitView(AsyncApiView):
 
         def read():
             group = fresh_group(visibility, group_ref)
-            return group, present_group(group)
+            return group, Answer(present_group(group))
 
-        _, body = await long_poll(
+        _, answer = await long_poll(
             read,
             done=lambda pair: pair[0].state == GroupState.FINALIZED,
             topics=[group_ref],
             timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
             share=("group", group_ref, visibility),
         )
-        return Response(body)
+        return self.shared_answer(answer, wait="group")
 
 
 def _member_response(task, group, created):

@@ -1,12 +1,11 @@
 """``/v1/events/stream``: the event log as Server-Sent Events."""
 
-from asgiref.sync import sync_to_async
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
 
 from coordination import selectors
-from coordination.api.longpoll import _close_connection, in_request
+from coordination.api.longpoll import in_request, park
 from coordination.api.negotiation import FirstRenderer
 from coordination.api.presenters import present_event
 from coordination.api.sse import BATCH, event_stream_response, feed_frames, releasing
@@ -96,8 +95,9 @@ class EventStreamView(AsyncApiView):
             return selectors.event_head(visibility), run_path
 
         cursor, run_path = await in_request(start)
-        # From here on the stream borrows a connection only for its own catch-up reads.
-        await sync_to_async(_close_connection)()
+        # From here on the stream borrows a connection (and a thread) only for its own
+        # catch-up reads.
+        await park()
 
         def catch_up(after_cursor: str):
             return selectors.event_list(visibility, after=after_cursor, types=types, run_id=run_id, limit=BATCH)

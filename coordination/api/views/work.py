@@ -5,7 +5,7 @@ from rest_framework.response import Response
 
 from coordination import exceptions, selectors
 from coordination.api import serializers as s
-from coordination.api.longpoll import claim_long_poll, in_request, long_poll
+from coordination.api.longpoll import Answer, claim_long_poll, in_request, long_poll
 from coordination.api.presenters import present_claim, present_mailbox, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.services import claims as claim_services
@@ -151,16 +151,16 @@ class TaskResultView(AsyncApiView):
 
         def read():
             task = selectors.task_get(visibility, ref)
-            return task, present_task(task)
+            return task, Answer(present_task(task))
 
-        _, body = await long_poll(
+        _, answer = await long_poll(
             read,
             done=lambda pair: pair[0].state in TASK_TERMINAL,
             topics=[ref],
             timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
             share=("task", ref, visibility),
         )
-        return Response(body)
+        return self.shared_answer(answer, wait="task")
 
 
 class TaskCancelView(ApiView):
