@@ -8,6 +8,7 @@ itself runs behind a real PgBouncer in tests/reliability/test_pgbouncer.py.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -165,3 +166,36 @@ def test_check_deploy_runs_the_pooler_check(tmp_path):
     )
     assert done.returncode != 0
     assert "runstate.E002" in done.stdout + done.stderr
+
+
+# What would keep state on a server session, which a transaction pool hands to another client
+# between transactions (docs/deploy.md, "Behind PgBouncer"). The LISTEN connection
+# (coordination/notify.py) is the one session runstate keeps, on a connection of its own.
+SESSION_STATE = {
+    "a session-level advisory lock": re.compile(r"pg_(try_)?advisory_lock(_shared)?\s*\(", re.I),
+    "a session setting": re.compile(r"""execute\(\s*f?["']+\s*SET\s+(?!LOCAL\b)(SESSION\s+)?\w+\s*(=|TO\b)""", re.I),
+    "set_config for the session": re.compile(r"set_config\([^)]*,\s*false\s*\)", re.I),
+    "a temporary table": re.compile(r"CREATE\s+(GLOBAL\s+|LOCAL\s+)?TEMP(ORARY)?\s+TABLE", re.I),
+    "a cursor WITH HOLD": re.compile(r"CURSOR\s+WITH\s+HOLD\s+FOR\b", re.I),
+    "an explicit prepared statement": re.compile(r"\bprepare\s*=\s*True|\bPREPARE\s+\w+\s+(\(|AS\b)", re.I),
+    "a LISTEN outside the hub": re.compile(r"""execute\(\s*f?["']LISTEN\b""", re.I),
+}
+SESSION_STATE_ALLOWED = {("coordination/notify.py", "a LISTEN outside the hub")}
+
+
+def test_no_code_keeps_state_on_a_server_session():
+    found = []
+    for package in ("coordination", "workers", "runstate_project"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            source = path.read_text()
+            name = str(path.relative_to(ROOT))
+            for what, pattern in SESSION_STATE.items():
+                if pattern.search(source) and (name, what) not in SESSION_STATE_ALLOWED:
+                    found.append(f"{name}: {what}")
+    assert not found, found
+    # The patterns find what they look for (the hub's own LISTEN is one).
+    assert SESSION_STATE["a LISTEN outside the hub"].search((ROOT / "coordination" / "notify.py").read_text())
+    assert SESSION_STATE["a session setting"].search('cursor.execute("SET statement_timeout = 5")')
+    assert not SESSION_STATE["a session setting"].search('cursor.execute("SET LOCAL statement_timeout = 5")')
+    assert SESSION_STATE["a session-level advisory lock"].search("SELECT pg_advisory_lock(1)")
+    assert not SESSION_STATE["a session-level advisory lock"].search("SELECT pg_advisory_xact_lock(1)")
