@@ -18,6 +18,8 @@ Through it:
 - a cancel cascades to the subtree, its tasks and its claims;
 - and every process refuses to start on a configuration that would break behind the pooler.
 
+``test_pgbouncer_load.py`` runs the load test and its ledger through PgBouncer.
+
 Durations are reported (``-s``), never asserted.
 """
 
