@@ -27,6 +27,11 @@ between their read and their wait; after a reconnect every waiter is woken once 
 since notifications sent while disconnected are lost. On SQLite there is no NOTIFY and
 waiters poll on a short interval instead.
 
+That connection is a session of its own, outside the request pool: behind a pooler in
+transaction mode (``RUNSTATE_DB_POOLER=transaction``) a LISTEN through the pool would hold
+on to no server session, so ``RUNSTATE_LISTEN_DATABASE_URL`` then routes it to PostgreSQL
+directly (``listen_params``; docs/deploy.md, "Behind PgBouncer").
+
 The same connection listens on ``process_cache.CHANNEL`` for changed API keys and mailboxes;
 the listener that ``start_cache_listener`` picks (the API's loop, or a loop of its own in a
 process without one) feeds ``coordination/process_cache.py``.
@@ -41,6 +46,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 
+from django.conf import settings
 from django.db import connections
 
 from coordination import process_cache
@@ -147,10 +153,24 @@ class _LoopListener:
 
 
 def listen_params() -> dict:
-    """Return psycopg connection keywords for a LISTEN connection to the default database."""
+    """Return psycopg connection keywords for a LISTEN connection.
+
+    To ``RUNSTATE_LISTEN_DATABASE_URL`` when it names another route than ``DATABASE_URL``
+    (behind a pooler in transaction mode: PostgreSQL itself, docs/deploy.md), else to the
+    default database as its connections reach it (the test database under the tests).
+    """
     params = connections["default"].get_connection_params()
     for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding", "pool"):
         params.pop(key, None)
+    listen_url = getattr(settings, "RUNSTATE_LISTEN_DATABASE_URL", "")
+    if listen_url and listen_url != getattr(settings, "DATABASE_URL", ""):
+        listen = settings.RUNSTATE_LISTEN_DATABASE
+        params = {"client_encoding": params.get("client_encoding", "UTF8"), **listen.get("OPTIONS", {})}
+        for key, setting in (("dbname", "NAME"), ("user", "USER"), ("password", "PASSWORD"), ("host", "HOST")):
+            if listen.get(setting):
+                params[key] = listen[setting]
+        if listen.get("PORT"):
+            params["port"] = listen["PORT"]
     return params
 
 

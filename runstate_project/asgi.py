@@ -305,6 +305,10 @@ def _route(api, site):
 
 site = get_asgi_application()  # sets Django up
 from coordination.api import edge, longpoll  # noqa: E402 - its models need Django set up
+from coordination.checks import refuse_unsafe_database_routes  # noqa: E402
+
+# A database route that would break behind a pooler in transaction mode stops the process here.
+refuse_unsafe_database_routes()
 
 if settings.RUNSTATE_SERVE_STATIC:
     site = StaticFilesHandler(site)

@@ -1,6 +1,7 @@
 """The Celery app, configured from Django settings under the ``CELERY_`` namespace."""
 
 import os
+import sys
 
 from celery import Celery
 from celery.signals import beat_init, worker_init
@@ -11,6 +12,28 @@ app = Celery("runstate_project")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 # Every Celery task lives in the ``workers`` app (house rule: no coordination/tasks.py).
 app.autodiscover_tasks(["workers"])
+
+
+@worker_init.connect
+@beat_init.connect
+def _refuse_unsafe_database_routes(sender=None, **kwargs) -> None:
+    """Stop a worker or beat whose database settings would break behind its pooler (coordination/checks.py).
+
+    Celery logs and swallows a signal handler's exceptions; ``SystemExit`` it lets through.
+    """
+    import django
+    from django.apps import apps
+    from django.core.exceptions import ImproperlyConfigured
+
+    if not apps.ready:
+        django.setup()
+    from coordination.checks import refuse_unsafe_database_routes
+
+    try:
+        refuse_unsafe_database_routes()
+    except ImproperlyConfigured as refused:
+        sys.stderr.write(f"{refused}\n")
+        raise SystemExit(1) from refused
 
 
 @beat_init.connect

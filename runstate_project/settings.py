@@ -188,11 +188,24 @@ if DATABASE_URL:
     # a connection ("off": never): the hot single statements are then planned once per
     # connection instead of on every call (docs/benchmarks.md has the measurement). Turn it
     # off behind a pooler in transaction mode that cannot keep prepared statements.
-    RUNSTATE_DB_PREPARE_THRESHOLD = os.environ.get("RUNSTATE_DB_PREPARE_THRESHOLD", "1")
-    if RUNSTATE_DB_PREPARE_THRESHOLD != "off" and DATABASES["default"]["ENGINE"].endswith("postgresql"):
-        DATABASES["default"].setdefault("OPTIONS", {}).update(
-            server_side_binding=True, prepare_threshold=int(RUNSTATE_DB_PREPARE_THRESHOLD)
-        )
+    RUNSTATE_DB_PREPARE_THRESHOLD = os.environ.get("RUNSTATE_DB_PREPARE_THRESHOLD", "1").strip().lower()
+    if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        if RUNSTATE_DB_PREPARE_THRESHOLD == "off":
+            # Client-side binding, and psycopg never prepares (None: Django's own default).
+            DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = None
+        else:
+            DATABASES["default"].setdefault("OPTIONS", {}).update(
+                server_side_binding=True, prepare_threshold=int(RUNSTATE_DB_PREPARE_THRESHOLD)
+            )
+    # RUNSTATE_DB_POOLER=transaction: DATABASE_URL goes through a pooler in transaction mode
+    # (PgBouncer's pool_mode = transaction), so consecutive transactions of one connection may
+    # run on different server sessions. Nothing may then rely on a session: prepared
+    # statements must be off (checked at start-up: coordination/checks.py) and Django's
+    # server-side cursors, which outside a transaction are WITH HOLD cursors, are not used.
+    # "" (the default) or "session": a direct connection, or a pooler in session mode.
+    RUNSTATE_DB_POOLER = os.environ.get("RUNSTATE_DB_POOLER", "").strip().lower()
+    if RUNSTATE_DB_POOLER == "transaction":
+        DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
     RUNSTATE_DB_POOL_SIZE = int(os.environ.get("RUNSTATE_DB_POOL_SIZE", "30"))
     if RUNSTATE_DB_POOL_SIZE > 0 and DATABASES["default"]["ENGINE"].endswith("postgresql"):
         # Under ASGI every request runs in a thread of its own: a burst of requests would
@@ -210,6 +223,12 @@ if DATABASE_URL:
             # asks for a fresh one, so the pool is back within seconds of the server.
             "reconnect_timeout": 5.0,
         }
+    # The LISTEN hub's connection (coordination/notify.py): one session per API process that
+    # must stay on one server backend for as long as it listens, so behind a pooler in
+    # transaction mode it goes to PostgreSQL directly (or through a session-mode pool).
+    # Default: DATABASE_URL.
+    RUNSTATE_LISTEN_DATABASE_URL = os.environ.get("RUNSTATE_LISTEN_DATABASE_URL", "").strip() or DATABASE_URL
+    RUNSTATE_LISTEN_DATABASE = dj_database_url.parse(RUNSTATE_LISTEN_DATABASE_URL)
 else:
     DATABASES = {
         "default": {

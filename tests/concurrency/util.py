@@ -2,8 +2,10 @@
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
+from django.conf import settings
 from django.db import connection, transaction
 
 from coordination import exceptions
@@ -84,10 +86,22 @@ def race_a_cancel(cancel: Callable[[], object], create: Callable[[], object], *,
     assert all(per_thread and not per_thread[-1][1] for per_thread in results[1:])
 
 
-def backend_pid() -> int:
-    """The PostgreSQL backend process id of this thread's connection."""
+def backend_pid() -> int | str:
+    """What finds this thread's connection's PostgreSQL backend in ``pg_stat_activity``: its process id.
+
+    Behind a pooler in transaction mode (``RUNSTATE_DB_POOLER=transaction``, tests/reliability/
+    test_pgbouncer_load.py) a connection has no backend of its own: each transaction runs on
+    whichever server connection PgBouncer lends it, and the process id psycopg reports is
+    PgBouncer's. The connection then gets an ``application_name`` of its own instead, which
+    PgBouncer sets on every server connection it lends it, and that name is returned.
+    """
     connection.ensure_connection()
-    return connection.connection.info.backend_pid
+    if getattr(settings, "RUNSTATE_DB_POOLER", "") != "transaction":
+        return connection.connection.info.backend_pid
+    name = f"runstate-race-{uuid.uuid4().hex[:12]}"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('application_name', %s, false)", [name])
+    return name
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -98,12 +112,13 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
-def waiting_on_a_lock(pid: int) -> bool:
-    """Whether the PostgreSQL backend ``pid`` waits on a lock now (``pg_stat_activity``)."""
+def waiting_on_a_lock(pid: int | str) -> bool:
+    """Whether the PostgreSQL backend ``pid`` (``backend_pid``'s) waits on a lock now (``pg_stat_activity``)."""
+    column = "application_name" if isinstance(pid, str) else "pid"
     with connection.cursor() as cursor:
-        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
-        row = cursor.fetchone()
-    return row is not None and row[0] == "Lock"
+        cursor.execute(f"SELECT wait_event_type FROM pg_stat_activity WHERE {column} = %s", [pid])  # noqa: S608
+        rows = cursor.fetchall()
+    return any(row[0] == "Lock" for row in rows)
 
 
 def run_closing(target, errors):

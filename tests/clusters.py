@@ -1,0 +1,171 @@
+"""Servers of their own for the tests that run runstate as it is deployed past one machine.
+
+- ``ThrowawayPostgres`` (``tests/reliability/throwaway.py``): a cluster made with ``initdb`` in a
+  temporary directory, on a free port, trust authentication, as the ``postgres`` OS user when
+  the tests run as root (PostgreSQL refuses root).
+- ``PgBouncer``: Debian's ``pgbouncer`` in front of such a cluster, on a free port of its own,
+  in transaction mode with a pool of ``pool_size`` server connections per database and user
+  (``docs/deploy.md``, "Behind PgBouncer", gives the same ``pgbouncer.ini``). It refuses root
+  too, so it runs as the same OS user as the cluster.
+
+``pgbouncer_in_front`` starts both and always stops and deletes both, whatever the test did.
+Nothing here touches the machine's own servers (PostgreSQL on 5432). When ``pgbouncer`` is
+missing the tests fail with a message naming ``scripts/ensure_pgbouncer.sh``, which
+``scripts/test`` runs to install it; ``RUNSTATE_TEST_SKIP_PGBOUNCER=1`` skips them instead,
+on a machine that cannot install it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.processes import free_port
+from tests.reliability.throwaway import PG_OS_USER, ThrowawayPostgres, port_open
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+
+
+def require_pgbouncer() -> None:
+    """Fail (or skip, with ``RUNSTATE_TEST_SKIP_PGBOUNCER=1``) when the ``pgbouncer`` program is missing."""
+    if Path(PGBOUNCER).exists():
+        return
+    message = f"these tests need PgBouncer at {PGBOUNCER}: run scripts/ensure_pgbouncer.sh (apt-get install pgbouncer)"
+    if os.environ.get("RUNSTATE_TEST_SKIP_PGBOUNCER") == "1":
+        pytest.skip(message)
+    pytest.fail(message)
+
+
+class PgBouncer:
+    """PgBouncer in front of ``server`` (a ``ThrowawayPostgres``), in a temporary directory on a free port."""
+
+    def __init__(self, server: ThrowawayPostgres, *, pool_mode: str = "transaction", pool_size: int = 10) -> None:
+        self.server = server
+        self.pool_mode = pool_mode
+        self.pool_size = pool_size
+        self.port = free_port()
+        self.as_root = os.geteuid() == 0
+        self.dir = Path(tempfile.mkdtemp(prefix="runstate-pgbouncer-"))
+        self.ini_path = self.dir / "pgbouncer.ini"
+        self.log_path = self.dir / "pgbouncer.log"
+        self.process: subprocess.Popen | None = None
+
+    def ini(self) -> str:
+        """Return the ``pgbouncer.ini``: every database of the server, ``pool_mode``, ``pool_size`` per pool."""
+        return f"""\
+[databases]
+* = host=127.0.0.1 port={self.server.port}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {self.dir / "userlist.txt"}
+admin_users = postgres
+stats_users = postgres
+pool_mode = {self.pool_mode}
+default_pool_size = {self.pool_size}
+min_pool_size = 0
+reserve_pool_size = 0
+max_client_conn = 1000
+max_db_connections = {self.pool_size}
+server_reset_query =
+ignore_startup_parameters = extra_float_digits
+logfile = {self.log_path}
+pidfile = {self.dir / "pgbouncer.pid"}
+"""
+
+    def url(self, database: str | None = None, **query: str) -> str:
+        """Return a ``DATABASE_URL`` through the pooler (the server's test database by default)."""
+        tail = "&".join(f"{key}={value}" for key, value in query.items())
+        return f"postgres://postgres@127.0.0.1:{self.port}/{database or self.server.database}" + (
+            f"?{tail}" if tail else ""
+        )
+
+    def start(self) -> None:
+        """Write the configuration and start PgBouncer; wait until it accepts connections."""
+        self.ini_path.write_text(self.ini())
+        (self.dir / "userlist.txt").write_text('"postgres" ""\n')
+        prefix: list[str] = []
+        if self.as_root:  # "PgBouncer should not run as root"
+            account = pwd.getpwnam(PG_OS_USER)
+            for path in (self.dir, *self.dir.iterdir()):
+                os.chown(path, account.pw_uid, account.pw_gid)
+            prefix = ["runuser", "-u", PG_OS_USER, "--"]
+        self.process = subprocess.Popen(
+            [*prefix, PGBOUNCER, str(self.ini_path)],
+            cwd=self.dir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while not port_open(self.port):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pgbouncer exited ({self.process.returncode}):\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for pgbouncer:\n{self.log()}")
+            time.sleep(0.05)
+
+    def show(self, what: str) -> list[dict]:
+        """Return the rows of the admin console's ``SHOW <what>`` (POOLS, SERVERS, CLIENTS...)."""
+        # The console speaks only the simple query protocol: a client-side cursor sends it.
+        with psycopg.connect(self.url("pgbouncer"), autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+            cursor = conn.execute(f"SHOW {what}")
+            names = [column.name for column in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def server_connections(self, database: str | None = None) -> int:
+        """Count the server connections PgBouncer holds to ``database`` now (any state)."""
+        database = database or self.server.database
+        rows = [row for row in self.show("POOLS") if row["database"] == database]
+        return sum(row[key] for row in rows for key in row if key.startswith("sv_") and isinstance(row[key], int))
+
+    def log(self) -> str:
+        """Return PgBouncer's log."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except (FileNotFoundError, PermissionError):
+            return ""
+
+    def stop(self) -> None:
+        """Stop PgBouncer (SIGTERM, then SIGKILL) and wait for it."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, 15)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+    def destroy(self) -> None:
+        """Stop PgBouncer and delete its directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def pgbouncer_in_front(*, pool_mode: str = "transaction", pool_size: int = 10) -> Iterator[PgBouncer]:
+    """A fresh cluster with an empty ``runstate`` database and PgBouncer in front; both gone afterwards."""
+    require_pgbouncer()
+    server = ThrowawayPostgres()
+    bouncer = PgBouncer(server, pool_mode=pool_mode, pool_size=pool_size)
+    try:
+        server.init()
+        bouncer.start()
+        yield bouncer
+    finally:
+        bouncer.destroy()
+        server.destroy()
