@@ -42,6 +42,14 @@ PATHS = {
 }
 
 
+def own_claim_id(task, data):
+    """The event's data, its ``claimId`` (which names the task, fresh on each path) checked and made comparable."""
+    if "claimId" in data:
+        assert data["claimId"] == claims.claim_id_for(task.id, data["attempt"])
+        data = {**data, "claimId": "<its own>"}
+    return data
+
+
 def answer(call, **kwargs):
     try:
         result = call(**kwargs)
@@ -118,7 +126,10 @@ def life(path: str, tag: str) -> list:
     rows = []
     for task in tasks:
         row = Task.objects.get(id=task.id)
-        events = list(Event.objects.filter(subject_id=str(task.id)).order_by("id").values_list("type", "data"))
+        events = [
+            (kind, own_claim_id(task, data))
+            for kind, data in Event.objects.filter(subject_id=str(task.id)).order_by("id").values_list("type", "data")
+        ]
         lease_ms = (
             round((row.lease_expires_at - row.last_renewed_at) / timedelta(milliseconds=1))
             if row.lease_expires_at and row.last_renewed_at
