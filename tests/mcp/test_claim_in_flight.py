@@ -38,6 +38,7 @@ class HoldingProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
         self.hold_s: float | None = None
+        self.drop = False  # break the connection in the middle of a claim's answer instead
         self.answered = threading.Event()
         self.committed: list[str] = []
         self.in_flight = 0  # claim requests sent to the service and not answered yet
@@ -81,6 +82,10 @@ class HoldingProxy:
         if claiming:
             self.committed += [claim["claimId"] for claim in answer.json().get("claims", [])]
             self.answered.set()
+            if self.drop:  # the head of the answer, then the connection breaks: the client never reads it
+                length = str(len(answer.content)).encode()
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", length)]})
+                raise ConnectionAbortedError("the claim's answer is lost")
             if self.hold_s is None:
                 while (await receive())["type"] != "http.disconnect":
                     pass
@@ -200,6 +205,25 @@ def test_a_cancelled_claim_that_committed_nothing_releases_nothing(sdk):
         assert sorted(rows.values()) == [("RUNNING", 1), ("RUNNING", 1)]
         _, released = await asyncio.to_thread(claim_events, run_id)
         assert released == []
+
+    asyncio.run(main())
+
+
+def test_a_claim_whose_answer_is_lost_to_a_broken_connection_is_released(sdk):
+    """No cancel: the connection breaks after the service committed; the call answers TRANSPORT_ERROR."""
+    mailbox, run_id, (task_id,) = setup_run(1)
+
+    async def main():
+        with HoldingProxy(sdk.url) as proxy:
+            proxy.drop = True
+            async with stdio_session(proxy.url, sdk.api_key) as agent:
+                error, body = await call(agent, "task_claim", mailbox=mailbox, runId=run_id, waitMs=0)
+                assert error and body["error"]["code"] == "TRANSPORT_ERROR", body
+                assert len(proxy.committed) == 1
+                await settled(run_id, lambda rows: rows[task_id] == ("QUEUED", 1))
+                assert "cancellation" not in body  # it holds nothing
+        _, released = await asyncio.to_thread(claim_events, run_id)
+        assert [r["attempt"] for r in released] == [1]
 
     asyncio.run(main())
 
