@@ -22,6 +22,13 @@ def fence_id(prefix: str, object_id: uuid.UUID, attempt: int) -> str:
     return f"{prefix}_{object_id.hex}_{attempt}"
 
 
+def fence_id_sql(prefix: str, object_id_sql: str, attempt_sql: str) -> str:
+    """Return ``fence_id`` as a PostgreSQL expression over a uuid and an integer expression (the same text)."""
+    if not prefix.isalpha():
+        raise ValueError(prefix)
+    return f"'{prefix}_' || replace({object_id_sql}::text, '-', '') || '_' || {attempt_sql}"
+
+
 def parse_fence_id(prefix: str, value: object) -> tuple[uuid.UUID, int]:
     """Split a ``fence_id`` into object id and attempt; raise ``ValueError`` when malformed."""
     found_prefix, object_hex, attempt = str(value).split("_")

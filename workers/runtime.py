@@ -4,8 +4,8 @@ Kept apart from the services (as procrastinate keeps ``worker.py`` apart from ``
 every state change here is one service call, and the database decides. One delivery of a
 Celery message runs ``execute``:
 
-1. claim the task by id under a lease (``statements.claim_by_id``, as ``task_claim_by_id``):
-   a duplicate delivery, a task someone else holds or a finished task answers None and the
+1. claim the task by id under a lease (``task_claim_by_id_narrow``, the narrow form of
+   ``task_claim_by_id``): a duplicate delivery, a task someone else holds or a finished task answers None and the
    message is simply acked; an inactive run refuses with its code;
 2. run the handler with a ``TaskContext`` while the process's renewer (one thread for every
    claim the process holds, one batched statement per tick) renews the lease every third of
@@ -42,13 +42,14 @@ from coordination import exceptions
 from coordination.services.claims import (
     MAX_BATCH,
     Claim,
+    NarrowClaim,
+    claim_complete_narrow,
     claim_fail,
     claim_release,
     claims_renew_many,
+    task_claim_by_id_narrow,
 )
 from coordination.states import TaskState
-from workers import statements
-from workers.statements import WorkerClaim
 
 if TYPE_CHECKING:
     from workers.decorators import RunstateTask
@@ -71,9 +72,9 @@ class TaskContext:
     between steps, or call ``check()`` to raise ``TaskCancelled``.
     """
 
-    def __init__(self, claim: WorkerClaim | Claim, *, mailbox: str) -> None:
+    def __init__(self, claim: NarrowClaim | Claim, *, mailbox: str) -> None:
         if isinstance(claim, Claim):
-            claim = WorkerClaim.of(claim)
+            claim = NarrowClaim.of(claim)
         self.input: Any = claim.input
         self.task_id: uuid.UUID = claim.task_id
         self.run_id: uuid.UUID = claim.run_id
@@ -363,7 +364,7 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
     project_id, mailbox_id = bound.ids()
     try:
         claim = _after_disconnect_once_more(
-            lambda: statements.claim_by_id(
+            lambda: task_claim_by_id_narrow(
                 project_id=project_id,
                 task_id=uuid.UUID(str(task_id)),
                 worker_id=_worker_id(request),
@@ -438,7 +439,7 @@ def _record(bound: RunstateTask, ctx: TaskContext, project_id: uuid.UUID, outcom
             retry = False
     try:
         if error is None:
-            return statements.complete(project_id=project_id, claim_id=ctx.claim_id, outcome=outcome)
+            return claim_complete_narrow(project_id=project_id, claim_id=ctx.claim_id, outcome=outcome)
         task = claim_fail(
             project_id=project_id,
             claim_id=ctx.claim_id,

@@ -1,23 +1,34 @@
 """Resources ``runstate://runs/{id}``, ``runstate://tasks/{id}``, ``runstate://groups/{id}``, and the prompt.
 
 A resource reads the object as the API answers it (JSON). A client that subscribes to one
-(``resources/subscribe``) gets ``notifications/resources/updated`` whenever the object
-changes: the session follows the event log of the object's run from the moment of the
-subscription (the cursor is taken before the subscription is answered, so no change after
-it is missed) until ``resources/unsubscribe`` or the session's end.
+gets ``notifications/resources/updated`` whenever the object changes: the session follows
+the event log of the object's run from the moment of the subscription (the cursor is taken
+before the subscription is answered, so no change after it is missed). Two protocols:
+
+- up to 2025-11-25, ``resources/subscribe`` until ``resources/unsubscribe`` or the session's end;
+- from 2026-07-28, a ``subscriptions/listen`` stream naming the URIs in its filter, for as long
+  as the stream is open. Each stream has a bus of its own, fed only by its own watchers: an
+  update never reaches another session, whose key may not read the object.
 """
 
 import asyncio
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError
-from mcp_types import EmptyResult, SubscribeRequestParams, UnsubscribeRequestParams
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ResourceUpdated
+from mcp_types import (
+    EmptyResult,
+    SubscribeRequestParams,
+    SubscriptionsListenRequestParams,
+    SubscriptionsListenResult,
+    UnsubscribeRequestParams,
+)
 
 from runstate._config import JsonDict
 from runstate._errors import RunstateError
@@ -30,6 +41,7 @@ PAGE = 1000
 RETRY_S = 1.0
 
 SessionFor = Callable[[ServerRequestContext[Any, Any]], Session]
+Notify = Callable[[str], Awaitable[None]]
 
 SWARM_WORKER = """\
 You are a worker of a runstate swarm: take tasks from the mailbox `{mailbox}` of run `{run_id}` and do them.
@@ -82,9 +94,28 @@ async def latest_cursor(session: Session, run_id: str) -> str | None:
             return cursor
 
 
-async def follow(session: Session, uri: str, kind: str, object_id: str, run_id: str, cursor: str | None) -> None:
+async def watch(session: Session, uri: str, notify: Notify | None) -> "asyncio.Task[None]":
+    """Start following ``uri``'s object for the session, from now: ``notify(uri)`` at every change.
+
+    Answers once the cursor is taken (a change after it is never missed); ``ResourceError``
+    when the object cannot be read with the session's key.
+    """
+    kind, object_id = parse(uri)
+    try:
+        data = await read(session, kind, object_id)
+        run_id = {"runs": object_id, "tasks": data.get("runId"), "groups": data.get("scopeId")}[kind]
+        cursor = await latest_cursor(session, str(run_id))
+    except RunstateError as error:
+        raise ResourceError(f"{error.code}: {error.message}") from error
+    return asyncio.get_running_loop().create_task(
+        follow(session, uri, kind, object_id, str(run_id), cursor, notify), name=f"runstate-watch {uri}"
+    )
+
+
+async def follow(
+    session: Session, uri: str, kind: str, object_id: str, run_id: str, cursor: str | None, send: Notify | None
+) -> None:
     """Notify the client of ``uri`` at every event that changes the object, until cancelled."""
-    send = session.send_resource_updated
     while True:
         try:
             page = await session.rs.events.list(after=cursor, run_id=run_id, limit=PAGE, wait_ms=30_000)
@@ -121,30 +152,49 @@ def register(server: MCPServer, session_for: SessionFor) -> None:
         return await resource(ctx, "groups", group_id)
 
     async def subscribe(request: ServerRequestContext[Any, Any], params: SubscribeRequestParams) -> EmptyResult:
-        kind, object_id = parse(params.uri)
         session = session_for(request)
-        if params.uri in session.watchers:
-            return EmptyResult()
-        try:
-            data = await read(session, kind, object_id)
-            run_id = {"runs": object_id, "tasks": data.get("runId"), "groups": data.get("scopeId")}[kind]
-            cursor = await latest_cursor(session, str(run_id))
-        except RunstateError as error:
-            raise ResourceError(f"{error.code}: {error.message}") from error
-        session.watchers[params.uri] = asyncio.get_running_loop().create_task(
-            follow(session, params.uri, kind, object_id, str(run_id), cursor), name=f"runstate-watch {params.uri}"
-        )
+        if params.uri not in session.watchers:
+            session.watchers[params.uri] = await watch(session, params.uri, session.send_resource_updated)
         return EmptyResult()
 
     async def unsubscribe(request: ServerRequestContext[Any, Any], params: UnsubscribeRequestParams) -> EmptyResult:
         await session_for(request).unwatch(params.uri)
         return EmptyResult()
 
+    async def listen(
+        request: ServerRequestContext[Any, Any], params: SubscriptionsListenRequestParams
+    ) -> SubscriptionsListenResult:
+        """Serve one ``subscriptions/listen`` stream: its resource URIs watched while it is open.
+
+        A URI that is not a runstate object the session can read is honored and never fires,
+        as the protocol has it for a resource that does not exist.
+        """
+        session = session_for(request)
+        bus = InMemorySubscriptionBus()  # this stream's own: nobody else's updates, nor ours to others
+
+        async def notify(uri: str) -> None:
+            await bus.publish(ResourceUpdated(uri=uri))
+
+        watchers: list[asyncio.Task[None]] = []
+        try:
+            for uri in dict.fromkeys(params.notifications.resource_subscriptions or ()):
+                try:
+                    watchers.append(await watch(session, uri, notify))
+                except ResourceError as error:
+                    logger.info("listen: %s is not watched (%s)", uri, error)
+            return await ListenHandler(bus)(request, params)
+        finally:
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+
     # MCPServer has no decorator for these: they go on its low-level server, which advertises
-    # the `resources.subscribe` capability once the handler is there.
+    # the `resources.subscribe` capability once the handler is there. The listen handler
+    # replaces MCPServer's own, whose bus is shared by every session of the server.
     lowlevel = server._lowlevel_server
     lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, subscribe)
     lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, unsubscribe)
+    lowlevel.add_request_handler("subscriptions/listen", SubscriptionsListenRequestParams, listen)
 
     @server.prompt(name="swarm_worker", title="Work as a swarm worker")
     def swarm_worker(mailbox: str, runId: str) -> str:

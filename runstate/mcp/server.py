@@ -42,7 +42,7 @@ from runstate.mcp.common import (
     wrap,
 )
 from runstate.mcp.refusals import refusal_body
-from runstate.mcp.session import Session, held_view
+from runstate.mcp.session import ClaimCall, Session, held_view
 
 SESSION_STATE_KEY = "runstate.session"
 PROGRESS_EVERY_S = 1.0
@@ -314,19 +314,32 @@ def build_server(config: ServerConfig) -> MCPServer:
         task_fail or task_release; if the session ends first, the task is taken over by another worker.
         """
         got: list[AsyncClaim] = []
+        lost: list[ClaimCall] = []  # the request in flight, until its answer arrives
 
         async def do(s: Session) -> JsonDict:
-            claims = await s.rs.scope(runId).tasks.claim(mailbox, max=max, wait_ms=waitMs, lease_ttl_ms=leaseTtlMs)
+            call = s.claim_call(runId)
+            lost.append(call)
+            try:
+                claims = await s.rs.scope(runId).tasks.claim(
+                    mailbox, max=max, wait_ms=waitMs, lease_ttl_ms=leaseTtlMs, worker_id=call.worker_id
+                )
+            except TransportError:  # the answer was lost: what the service may have committed goes back
+                await s.release_lost_claims(call)
+                lost.clear()
+                raise
+            lost.clear()
             got.extend(claims)
             for claim in claims:
                 await s.hold(claim, leaseTtlMs)
             return {"claims": [claim.data for claim in claims]}
 
-        async def undo(s: Session) -> None:  # cancelled after the claims were taken: hand them back
+        async def undo(s: Session) -> None:  # cancelled: hand back what was taken, answered or not
             for claim in got:
                 await s.release_hold(claim.id)
                 with contextlib.suppress(RunstateError):
                     await claim.release()
+            for call in lost:  # cancelled in flight: found by the call's workerId in the claim events
+                await s.release_lost_claims(call)
 
         return await answer(ctx, do, fresh=lambda: frozenset(claim.id for claim in got), undo=undo, wait_ms=waitMs)
 

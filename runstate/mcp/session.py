@@ -7,9 +7,12 @@ takes the work over after its lease as after any crashed worker.
 """
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import secrets
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any
 
 from runstate._async.client import AsyncRunstate
@@ -26,6 +29,41 @@ STOP = "Stop working on it and call task_complete for it (the task is recorded C
 STOP_POOL = "Stop using these units and call pool_release."
 STOP_MESSAGE = "Stop handling this message: its run stopped, so message_complete is refused; drop it."
 DEFAULT_VISIBILITY_MS = 30_000
+# Claims in flight when their call was cancelled (see ``ClaimCall``): an event page's size, how
+# often a run's claim log cursor is brought forward, and how long after the cancel a claim that
+# commits late (its statement still running when the request was abandoned) is still looked for.
+EVENT_PAGE = 1000
+CLAIM_LOG_REFRESH_S = 30.0
+LATE_CLAIM_GRACE_S = 10.0
+WORKER_ID_MAX = 200  # the API's limit on a claim's workerId
+
+
+@dataclass
+class ClaimLog:
+    """Where a scan of one run's ``task.claimed`` events may start, for a claim call that starts now.
+
+    ``cursor`` is the event log's end as read at some past moment (None: the log's start): a
+    claim committed after that read has its event after it. A background refresh brings it
+    forward now and then, so a scan never reads far.
+    """
+
+    cursor: str | None = None
+    refreshed_at: float = float("-inf")
+    refreshing: bool = False
+
+
+@dataclass(frozen=True)
+class ClaimCall:
+    """One ``task_claim`` request: its own ``workerId``, and where a scan for its claims starts.
+
+    When the call is cancelled before its answer arrived, the service may have committed its
+    claims: they are found in the run's ``task.claimed`` events after ``after`` by this
+    ``worker_id`` (unique to the call) and released by the events' ``claimId``.
+    """
+
+    worker_id: str
+    run_id: str
+    after: str | None
 
 
 @dataclass
@@ -95,6 +133,12 @@ class Session:
     # Resource subscriptions: a watcher of the event log per subscribed URI, and how to notify the client.
     watchers: "dict[str, asyncio.Task[None]]" = field(default_factory=dict)
     send_resource_updated: Callable[[str], Awaitable[None]] | None = None
+    # The session's worker id (every claim's workerId starts with it), its claim calls so far,
+    # the claim log of each run claimed from, and its background work (ended with the session).
+    worker_id: str = field(default_factory=lambda: f"mcp-{secrets.token_hex(6)}")
+    claim_calls: int = 0
+    claim_logs: dict[str, ClaimLog] = field(default_factory=dict)
+    background: "set[asyncio.Task[None]]" = field(default_factory=set)
 
     def holds_anything(self) -> bool:
         """Whether the session holds claims, pool leases or deliveries (its answers then carry ``cancellation``)."""
@@ -201,8 +245,96 @@ class Session:
                 )
         return notes
 
+    def in_background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` for the session, cancelled when it ends."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def claim_call(self, run_id: str) -> ClaimCall:
+        """Start a claim request on ``run_id``: its unique workerId and the cursor a scan for it starts from.
+
+        Costs no request: the run's claim log is brought forward in the background (at the
+        session's first claim in the run, then every ``CLAIM_LOG_REFRESH_S`` while it claims).
+        """
+        self.claim_calls += 1
+        log = self.claim_logs.setdefault(run_id, ClaimLog())
+        call = ClaimCall(f"{self.worker_id}/{self.claim_calls}"[:WORKER_ID_MAX], run_id, log.cursor)
+        if not log.refreshing and monotonic() - log.refreshed_at >= CLAIM_LOG_REFRESH_S:
+            log.refreshing = True
+            self.in_background(self._refresh_claim_log(run_id, log), f"runstate-claim-log {run_id}")
+        return call
+
+    async def _claimed_pages(self, run_id: str, after: str | None, *, wait_ms: int = 0) -> tuple[list[JsonDict], str]:
+        """Read the run's ``task.claimed`` events after ``after`` to the log's end; return them and the end."""
+        found: list[JsonDict] = []
+        cursor = after
+        while True:
+            page = await self.rs.events.list(
+                after=cursor, types="task.claimed", run_id=run_id, limit=EVENT_PAGE, wait_ms=wait_ms
+            )
+            found += page["events"]
+            cursor = str(page["nextCursor"])
+            if len(page["events"]) < EVENT_PAGE:
+                return found, cursor
+            wait_ms = 0
+
+    async def _refresh_claim_log(self, run_id: str, log: ClaimLog) -> None:
+        try:
+            _, log.cursor = await self._claimed_pages(run_id, log.cursor)
+        except RunstateError as error:  # the next claim call tries again
+            logger.warning("run %s: claim log not brought forward (%s)", run_id, error)
+        finally:
+            log.refreshed_at = monotonic()
+            log.refreshing = False
+
+    async def release_lost_claims(self, call: ClaimCall) -> list[str]:
+        """Release what ``call`` claimed though its answer never arrived (the call was cancelled in flight).
+
+        Reads the run's claim events after ``call.after`` now and releases those of the call's
+        worker id; returns their claim ids. Then, in the background for ``LATE_CLAIM_GRACE_S``,
+        follows the log for a claim that commits late (the service's statement was still
+        running when the request was abandoned) and releases it too.
+        """
+        released: set[str] = set()
+        cursor = call.after
+        try:
+            cursor = await self._release_claimed(call, cursor, released)
+        except RunstateError as error:  # looked for again in the background
+            logger.warning("claims of %s not looked for yet (%s)", call.worker_id, error)
+        self.in_background(self._follow_late_claims(call, cursor, released), f"runstate-late-claims {call.worker_id}")
+        return sorted(released)
+
+    async def _release_claimed(
+        self, call: ClaimCall, after: str | None, released: set[str], *, wait_ms: int = 0
+    ) -> str | None:
+        """Release the call's claims among the run's claim events after ``after``; return where they end."""
+        events, cursor = await self._claimed_pages(call.run_id, after, wait_ms=wait_ms)
+        for event in events:
+            data = event.get("data") or {}
+            claim_id = data.get("claimId")
+            if data.get("workerId") != call.worker_id or not claim_id or claim_id in released:
+                continue
+            released.add(claim_id)
+            with contextlib.suppress(RunstateError):  # taken over or ended meanwhile: nothing to hand back
+                await self.claim(claim_id).release()
+        return cursor
+
+    async def _follow_late_claims(self, call: ClaimCall, after: str | None, released: set[str]) -> None:
+        deadline = monotonic() + LATE_CLAIM_GRACE_S
+        cursor = after
+        while (left_ms := int((deadline - monotonic()) * 1000)) > 0:
+            try:
+                cursor = await self._release_claimed(call, cursor, released, wait_ms=left_ms)
+            except RunstateError as error:  # the server is away: try again while the grace lasts
+                logger.warning("late claims of %s not looked for (%s); retrying", call.worker_id, error)
+                await asyncio.sleep(min(1.0, left_ms / 1000))
+
     async def close(self) -> None:
         """Stop renewing everything (the session ended) and close the client; record nothing."""
+        for task in list(self.background):
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
         for claim_id in list(self.held):
             await self.release_hold(claim_id)
         for lease_id in list(self.pool_leases):

@@ -85,3 +85,38 @@ def test_an_empty_filter_is_400_not_ignored(api, project, url):
     response = api.get(url)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "VALIDATION_ERROR"
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["statement", "careful"])
+@pytest.mark.parametrize("by_id", [False, True], ids=["claim", "claim_by_id"])
+def test_a_claimed_event_names_its_claim(api, project, settings, fast, by_id):
+    """``task.claimed`` carries ``claimId``, ``attempt`` and ``workerId`` alike on both paths.
+
+    A claimer whose answer was lost (its request cancelled in flight) finds what it took by
+    its ``workerId`` and releases it by ``claimId``, never building a claim id itself.
+    """
+    from django.db import connection
+
+    from coordination.services.claims import claim_release, task_claim, task_claim_by_id
+    from coordination.services.mailboxes import mailbox_ensure
+    from coordination.services.tasks import task_submit
+
+    if fast and connection.vendor != "postgresql":
+        pytest.skip("the single-statement path is PostgreSQL only")
+    settings.RUNSTATE_FAST_PATHS = fast
+    mailbox, _ = mailbox_ensure(project_id=project.id, name="jobs", mode="WORK")
+    run = run_create(project_id=project.id)
+    task, _ = task_submit(project_id=project.id, mailbox=mailbox, run_id=run.id, input={})
+    claims = []
+    for attempt in (1, 2):  # a second attempt: the id follows the attempt
+        if by_id:
+            claims.append(task_claim_by_id(project_id=project.id, task_id=task.id, worker_id=f"w/{attempt}"))
+        else:
+            (claim,) = task_claim(project_id=project.id, mailbox=mailbox, run_id=run.id, worker_id=f"w/{attempt}")
+            claims.append(claim)
+        claim_release(project_id=project.id, claim_id=claims[-1].claim_id)
+    claimed = page(api, "?types=task.claimed")["events"]
+    assert [e["data"] for e in claimed] == [
+        {"attempt": claim.attempt, "workerId": f"w/{claim.attempt}", "claimId": claim.claim_id} for claim in claims
+    ]
+    assert [claim.attempt for claim in claims] == [1, 2]

@@ -46,14 +46,17 @@ async def stdio_session(url: str, api_key: str, **options):
 
 
 @asynccontextmanager
-async def http_session(url: str, api_key: str):
-    """One MCP session over streamable HTTP, sending its key (if any) as ``Authorization: Bearer``."""
+async def http_session(url: str, api_key: str, *, modern: bool = False):
+    """One MCP session over streamable HTTP, sending its key (if any) as ``Authorization: Bearer``.
+
+    ``modern``: speak protocol 2026-07-28 (``server/discover``, no handshake) instead of 2025-11-25.
+    """
     async with (
         httpx2.AsyncClient(headers={"Authorization": f"Bearer {api_key}"} if api_key else {}, timeout=60) as client,
         streamable_http_client(url, http_client=client) as streams,
         ClientSession(streams[0], streams[1]) as session,
     ):
-        await session.initialize()
+        await (session.discover() if modern else session.initialize())
         yield session
 
 

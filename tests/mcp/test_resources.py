@@ -5,9 +5,11 @@ import json
 
 import mcp_types as types
 import pytest
+from mcp.client.subscriptions import listen
+from mcp.shared.subscriptions import ResourceUpdated
 
 from runstate import Runstate
-from tests.mcp.conftest import stdio_session
+from tests.mcp.conftest import http_session, stdio_session
 
 
 # Clients of the protocol versions agents speak today (up to 2025-11-25) subscribe this way.
@@ -40,6 +42,37 @@ def test_a_subscribed_run_notifies_its_cancellation(sdk):
     asyncio.run(main())
     rs.close()
     assert updates == [uri]
+
+
+# Clients of protocol 2026-07-28 listen instead: a subscriptions/listen stream names the URIs.
+def test_a_listen_stream_gets_its_run_s_updates_and_no_other_session_does(sdk, make_key, mcp_http):
+    rs = Runstate()
+    run = rs.scopes.create(name="listened")
+    elsewhere = rs.scopes.create(name="elsewhere")
+    uri = f"runstate://runs/{run.id}"
+    # A key bound to another run cannot read this one: its stream is not fed, on the same server.
+    outsider = make_key(["coordination_read"], run_id=elsewhere.id)
+
+    async def main():
+        async with (
+            http_session(mcp_http, sdk.api_key, modern=True) as session,
+            http_session(mcp_http, outsider, modern=True) as other,
+            listen(session, resource_subscriptions=[uri]) as stream,
+            listen(other, resource_subscriptions=[uri]) as other_stream,
+        ):
+            assert session.protocol_version == "2026-07-28"
+            assert stream.honored.resource_subscriptions == [uri]
+            await asyncio.to_thread(elsewhere.cancel)  # another run changes: no update
+            await asyncio.to_thread(run.cancel, "listened to it")
+            event = await asyncio.wait_for(anext(stream), timeout=20)
+            assert event == ResourceUpdated(uri=uri)
+            result = await session.read_resource(uri)
+            assert json.loads(result.contents[0].text)["storedState"] == "CANCELLED"
+            with pytest.raises(TimeoutError):  # nothing for the outsider, who cannot read the run
+                await asyncio.wait_for(anext(other_stream), timeout=1.0)
+
+    asyncio.run(main())
+    rs.close()
 
 
 def test_resources_of_another_project_or_unknown_are_errors_and_the_prompt_tells_the_loop(sdk):

@@ -3,8 +3,8 @@
 With ``RUNSTATE_FAULT_LEDGER_DIR`` set, a worker process records every claim, renew,
 complete, fail and release its runtime makes (and each handler's side effect) in a ledger
 file of its own, ``celery-<pid>.jsonl``, which the test merges into its ledger. The
-recording wraps the functions ``workers.runtime`` calls (the worker's own two statements in
-``workers.statements``, and the services for the rest); it changes nothing they do.
+recording wraps the functions ``workers.runtime`` calls (the claims package's narrow claim by
+id and completion, and the services for the rest); it changes nothing they do.
 """
 
 import os
@@ -53,10 +53,10 @@ def hold(ctx, hold_log: str):
 
 def _instrument_runtime() -> None:
     """Record each service call of ``workers.runtime`` in this process's ledger."""
-    from workers import runtime, statements
+    from workers import runtime
 
     book = ledger()
-    claim_by_id = statements.claim_by_id
+    claim_by_id = runtime.task_claim_by_id_narrow
 
     def claim_by_id_recorded(**kwargs):
         with book.op("claim", task_id=kwargs["task_id"]) as call:
@@ -69,7 +69,7 @@ def _instrument_runtime() -> None:
             fields = {name: kwargs[name] for name in keep if name in kwargs}
             with book.op(op, claim_id=kwargs["claim_id"], **fields) as call:
                 result = service(**kwargs)
-                # A Task, a Claim (its task) or, from ``statements.complete``, the new state.
+                # A Task, a Claim (its task) or, from ``claim_complete_narrow``, the new state.
                 task = getattr(result, "task", result)
                 call.done(state=getattr(task, "state", task))
             return result
@@ -95,8 +95,8 @@ def _instrument_runtime() -> None:
                 book.record("renew", ok=True, started_ns=started, claim_id=claim_id, state=answer.task.state)
         return answers
 
-    statements.claim_by_id = claim_by_id_recorded
-    statements.complete = recorded("complete", statements.complete, ("outcome",))
+    runtime.task_claim_by_id_narrow = claim_by_id_recorded
+    runtime.claim_complete_narrow = recorded("complete", runtime.claim_complete_narrow, ("outcome",))
     runtime.claims_renew_many = claims_renew_many
     runtime.claim_fail = recorded("fail", runtime.claim_fail, ("error", "retry"))
     runtime.claim_release = recorded("release", runtime.claim_release, ())

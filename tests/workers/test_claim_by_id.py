@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from coordination import exceptions
 from coordination.models import Event, Task
-from coordination.services.claims import claim_complete, task_claim_by_id
+from coordination.services.claims import claim_complete, claim_id_for, task_claim_by_id
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
@@ -48,7 +48,7 @@ def test_a_claim_by_id_is_one_statement_with_its_event(world):
     assert (claim.task.state, claim.attempt, claim.task.worker_id, claim.lease_ttl_ms) == ("RUNNING", 1, "w1", 20_000)
     assert claim.lease_expires_at == Task.objects.get(id=task.id).lease_expires_at
     event = Event.objects.get(subject_id=str(task.id), type="task.claimed")
-    assert event.data == {"attempt": 1, "workerId": "w1"}
+    assert event.data == {"attempt": 1, "workerId": "w1", "claimId": claim_id_for(task.id, 1)}
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "careful"])

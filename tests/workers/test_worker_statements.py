@@ -1,9 +1,10 @@
-"""The worker's narrow claim and completion (``workers.statements``) answer as the services do.
+"""The worker's narrow claim and completion (``claims.narrow``) answer as the operations do.
 
-The worker claims by id and completes through ``workers.statements`` (a raw psycopg cursor,
-only the columns it uses); the services' ``task_claim_by_id`` and ``claim_complete`` stay the
-reference. The same sequence of cases runs through both, on fresh rows each, and every answer
-and every row and event written must be the same.
+The worker claims by id and completes through ``task_claim_by_id_narrow`` and
+``claim_complete_narrow`` (a raw psycopg cursor, only the columns it uses); the operations'
+``task_claim_by_id`` and ``claim_complete`` stay the reference. The same sequence of cases
+runs through both, on fresh rows each, and every answer and every row and event written
+must be the same.
 """
 
 from datetime import timedelta
@@ -21,15 +22,13 @@ from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_cancel, task_submit
 from coordination.states import TaskState
-from workers import statements
-from workers.statements import WorkerClaim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def service_claim(**kwargs):
     claim = claims.task_claim_by_id(**kwargs)
-    return WorkerClaim.of(claim) if claim is not None else None
+    return claims.NarrowClaim.of(claim) if claim is not None else None
 
 
 def service_complete(**kwargs):
@@ -38,8 +37,16 @@ def service_complete(**kwargs):
 
 PATHS = {
     "services": (service_claim, service_complete),
-    "worker": (statements.claim_by_id, statements.complete),
+    "worker": (claims.task_claim_by_id_narrow, claims.claim_complete_narrow),
 }
+
+
+def own_claim_id(task, data):
+    """The event's data, its ``claimId`` (which names the task, fresh on each path) checked and made comparable."""
+    if "claimId" in data:
+        assert data["claimId"] == claims.claim_id_for(task.id, data["attempt"])
+        data = {**data, "claimId": "<its own>"}
+    return data
 
 
 def answer(call, **kwargs):
@@ -47,7 +54,7 @@ def answer(call, **kwargs):
         result = call(**kwargs)
     except exceptions.CoordinationError as refusal:
         return ("refused", refusal.code)
-    if isinstance(result, WorkerClaim):
+    if isinstance(result, claims.NarrowClaim):
         return ("claim", result.attempt, result.lease_ttl_ms, result.input, result.key)
     return result
 
@@ -118,7 +125,10 @@ def life(path: str, tag: str) -> list:
     rows = []
     for task in tasks:
         row = Task.objects.get(id=task.id)
-        events = list(Event.objects.filter(subject_id=str(task.id)).order_by("id").values_list("type", "data"))
+        events = [
+            (kind, own_claim_id(task, data))
+            for kind, data in Event.objects.filter(subject_id=str(task.id)).order_by("id").values_list("type", "data")
+        ]
         lease_ms = (
             round((row.lease_expires_at - row.last_renewed_at) / timedelta(milliseconds=1))
             if row.lease_expires_at and row.last_renewed_at
@@ -154,10 +164,10 @@ def test_the_worker_claim_and_completion_are_one_statement_each_on_the_connectio
     connection.ensure_connection()
     raw = connection.connection
     with CaptureQueriesContext(connection) as through_django:
-        claim = statements.claim_by_id(
+        claim = claims.task_claim_by_id_narrow(
             project_id=project.id, task_id=task.id, worker_id="w", lease_ttl_ms=None, mailbox_id=mailbox.id
         )
-        state = statements.complete(project_id=project.id, claim_id=claim.claim_id, outcome=None)
+        state = claims.claim_complete_narrow(project_id=project.id, claim_id=claim.claim_id, outcome=None)
     assert (claim.attempt, claim.lease_ttl_ms, state) == (1, 20_000, "SUCCEEDED")
     assert through_django.captured_queries == [], "the raw cursor bypasses Django's cursor wrapper"
     assert connection.connection is raw

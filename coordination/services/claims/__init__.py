@@ -12,12 +12,15 @@ The package, one concern a module:
 - ``statements``: the single statements of the PostgreSQL fast paths;
 - ``careful``: the ORM paths that decide every case a statement declines;
 - ``operations``: the service functions, statement first, then the careful path;
-- ``batches``: many claims completed or renewed at once, answered per item.
+- ``batches``: many claims completed or renewed at once, answered per item;
+- ``narrow``: the claim by id and the completion a Celery worker runs per task, on a raw
+  cursor returning only what it uses (the same statements, the operations' answers).
 """
 
 from coordination.services.claims.batches import MAX_BATCH, claims_complete_many, claims_renew_many
 from coordination.services.claims.claim import Claim, claim_id_for, parse_claim_id
 from coordination.services.claims.leases import lease_expired, takeover_due
+from coordination.services.claims.narrow import NarrowClaim, claim_complete_narrow, task_claim_by_id_narrow
 from coordination.services.claims.operations import (
     MAX_CLAIMS_PER_CALL,
     claim_complete,
@@ -50,7 +53,9 @@ __all__ = [
     "RENEW_MANY_SQL",
     "RENEW_SQL",
     "Claim",
+    "NarrowClaim",
     "claim_complete",
+    "claim_complete_narrow",
     "claim_fail",
     "claim_id_for",
     "claim_release",
@@ -62,4 +67,5 @@ __all__ = [
     "takeover_due",
     "task_claim",
     "task_claim_by_id",
+    "task_claim_by_id_narrow",
 ]

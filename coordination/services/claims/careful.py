@@ -15,7 +15,7 @@ from django.utils import timezone
 from coordination import exceptions
 from coordination.models import Mailbox, Task
 from coordination.services import dispatch, task_transitions
-from coordination.services.claims.claim import Claim, parse_claim_id
+from coordination.services.claims.claim import Claim, claimed_event_data, parse_claim_id
 from coordination.services.claims.leases import (
     CLAIMABLE,
     RUN_DEADLINE_AHEAD,
@@ -62,7 +62,7 @@ def task_claim(
     claims = []
     for task in candidates:
         claims.append(Claim(task, task.attempts, lease_until))
-        events.append(event_for(task, "task.claimed", attempt=task.attempts, workerId=worker_id))
+        events.append(event_for(task, "task.claimed", **claimed_event_data(task, worker_id)))
     events_record_many(events)
     return claims
 
@@ -93,7 +93,7 @@ def task_claim_by_id(
     if CLAIMABLE(task, now):
         lease_until = now + timedelta(milliseconds=lease_ttl_ms or task.mailbox.lease_ttl_ms)
         task_transitions.claim(task, now=now, lease_until=lease_until, worker_id=worker_id)
-        events.append(event_for(task, "task.claimed", attempt=task.attempts, workerId=worker_id))
+        events.append(event_for(task, "task.claimed", **claimed_event_data(task, worker_id)))
         claim = Claim(task, task.attempts, task.lease_expires_at, lease_ttl_ms or task.mailbox.lease_ttl_ms)
     events_record_many(events)
     return claim

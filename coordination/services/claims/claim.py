@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from coordination import exceptions
-from coordination.ids import fence_id, parse_fence_id
+from coordination.ids import fence_id, fence_id_sql, parse_fence_id
 from coordination.models import Task
 
 
@@ -27,7 +27,26 @@ class Claim:
 
 def claim_id_for(task_id: uuid.UUID, attempt: int) -> str:
     """Return the claim id of ``attempt`` on ``task_id``."""
-    return fence_id("c", task_id, attempt)
+    return fence_id(_PREFIX, task_id, attempt)
+
+
+_PREFIX = "c"
+
+
+def claimed_event_data(task: Task, worker_id: str) -> dict[str, object]:
+    """Return the data of the ``task.claimed`` event of ``task``, just claimed (its ``attempts`` counted).
+
+    ``claimId`` lets a claimer that lost the answer (its request cancelled in flight) find and
+    release what it took, by its ``workerId``, without building claim ids itself.
+    """
+    return {"attempt": task.attempts, "workerId": worker_id, "claimId": claim_id_for(task.id, task.attempts)}
+
+
+# ``claimed_event_data`` as an expression over the claimed task's row, for the single statements.
+CLAIMED_EVENT_DATA_SQL = (
+    "jsonb_build_object('attempt', attempts, 'workerId', worker_id, "
+    f"'claimId', {fence_id_sql(_PREFIX, 'id', 'attempts')})"
+)
 
 
 def parse_claim_id(claim_id: str) -> tuple[uuid.UUID, int]:

@@ -9,7 +9,7 @@ import uuid
 
 from coordination.models import Task
 from coordination.services import sql, task_transitions
-from coordination.services.claims.claim import parse_claim_id
+from coordination.services.claims.claim import CLAIMED_EVENT_DATA_SQL, parse_claim_id
 from coordination.services.claims.leases import CLAIM_HOLDS, CLAIMABLE, RUN_DEADLINE_AHEAD, TAKEOVER_DUE
 from coordination.services.events import event_insert_sql
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_key_share_cte
@@ -73,11 +73,7 @@ WITH {CHAIN_KEY_SHARE_CTE}, gate AS (
     FROM picked WHERE t.id = picked.id
     RETURNING t.*
 ), events AS (
-    {
-    event_insert_sql(
-        "done", type_sql="'task.claimed'", data_sql="jsonb_build_object('attempt', attempts, 'workerId', worker_id)"
-    )
-}
+    {event_insert_sql("done", type_sql="'task.claimed'", data_sql=CLAIMED_EVENT_DATA_SQL)}
 )
 SELECT {_TASK} FROM done ORDER BY done.priority DESC, done.created_at
 """
@@ -114,11 +110,7 @@ WITH target AS MATERIALIZED (
       AND (SELECT open FROM gate)
     RETURNING t.*
 ), events AS (
-    {
-    event_insert_sql(
-        "done", type_sql="'task.claimed'", data_sql="jsonb_build_object('attempt', attempts, 'workerId', worker_id)"
-    )
-}
+    {event_insert_sql("done", type_sql="'task.claimed'", data_sql=CLAIMED_EVENT_DATA_SQL)}
 )
 SELECT {_TASK} FROM done
 """

@@ -10,7 +10,7 @@ import pytest
 
 from coordination import exceptions
 from coordination.models import Event, Run, Task
-from coordination.services.claims import claim_complete, claim_fail, claim_renew, task_claim_by_id
+from coordination.services.claims import claim_complete, claim_fail, claim_id_for, claim_renew, task_claim_by_id
 from coordination.services.groups import group_create, group_submit, group_verdict
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
@@ -58,7 +58,7 @@ def test_claims_the_queued_task_under_the_mailbox_lease(project, jobs, run):
     assert (task.state, task.attempts, task.worker_id) == ("RUNNING", 1, "w1")
     assert 4 < (task.lease_expires_at - task.started_at).total_seconds() <= 5
     event = Event.objects.get(type="task.claimed", subject_id=str(task.id))
-    assert event.data == {"attempt": 1, "workerId": "w1"}
+    assert event.data == {"attempt": 1, "workerId": "w1", "claimId": claim_id_for(task.id, 1)}
 
 
 def test_an_explicit_lease_ttl_wins(project, jobs, run):

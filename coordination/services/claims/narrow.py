@@ -1,11 +1,11 @@
-"""The worker's two statements per task, on a raw psycopg cursor, returning only what it uses.
+"""Narrow forms of ``task_claim_by_id`` and ``claim_complete``: a raw psycopg cursor, only what a worker uses.
 
-A Celery worker claims its task by id and completes it, once per task. The services' fast
-paths (``coordination.services.claims``) return the whole task row through Django's cursor
-and build a ``Task``: a third of the worker's CPU per task went to that (issue 27). Here the
-same statements, with the same fence, lease and events (imported from the claims module,
-not copied), end in a narrower ``SELECT``, and run on the connection's psycopg cursor,
-prepared on a connection as its Django cursor would be (``RUNSTATE_DB_PREPARE_THRESHOLD``):
+A Celery worker claims its task by id and completes it, once per task. The fast paths of
+``operations`` return the whole task row through Django's cursor and build a ``Task``: a
+third of the worker's CPU per task went to that (issue 27). Here the same statements, with
+the same fence, lease and events (``statements``, imported and not copied), end in a
+narrower ``SELECT``, and run on the connection's psycopg cursor, prepared on a connection
+as its Django cursor would be (``RUNSTATE_DB_PREPARE_THRESHOLD``):
 
 - the claim returns the task's id, run, key, input, attempt and the lease it was granted;
 - the completion returns the task's new state.
@@ -27,7 +27,10 @@ from typing import Any
 from django.db import connection
 from django.utils import timezone
 
-from coordination.services import claims, sql
+from coordination.services import sql
+from coordination.services.claims.claim import Claim, claim_id_for, parse_claim_id
+from coordination.services.claims.operations import claim_complete, task_claim_by_id
+from coordination.services.claims.statements import CLAIM_BY_ID_SQL, COMPLETE_SQL
 from coordination.services.mailboxes import validate_lease_ttl_ms
 
 
@@ -41,16 +44,16 @@ def _narrowed(statement: str, select: str) -> str:
 
 # The lease granted is what the statement set: its expiry less the claim's time.
 CLAIM_BY_ID_NARROW_SQL = _narrowed(
-    claims.CLAIM_BY_ID_SQL,
+    CLAIM_BY_ID_SQL,
     "SELECT id, run_id, key, input::text, attempts, "
     "round(extract(epoch FROM lease_expires_at - last_renewed_at) * 1000)::int FROM done",
 )
-COMPLETE_NARROW_SQL = _narrowed(claims.COMPLETE_SQL, "SELECT state FROM done")
+COMPLETE_NARROW_SQL = _narrowed(COMPLETE_SQL, "SELECT state FROM done")
 
 
 @dataclass(frozen=True)
-class WorkerClaim:
-    """What the worker needs of a claim: the context's fields and the lease granted."""
+class NarrowClaim:
+    """What a worker needs of a claim: its handler context's fields and the lease granted."""
 
     task_id: uuid.UUID
     run_id: uuid.UUID
@@ -61,12 +64,12 @@ class WorkerClaim:
 
     @property
     def claim_id(self) -> str:
-        """Return the opaque claim id (``claims.claim_id_for``)."""
-        return claims.claim_id_for(self.task_id, self.attempt)
+        """Return the opaque claim id (``claim_id_for``)."""
+        return claim_id_for(self.task_id, self.attempt)
 
     @classmethod
-    def of(cls, claim: claims.Claim) -> WorkerClaim:
-        """Return the worker's view of a service ``Claim``."""
+    def of(cls, claim: Claim) -> NarrowClaim:
+        """Return the narrow view of a ``Claim``."""
         task = claim.task
         granted = claim.lease_ttl_ms or task.mailbox.lease_ttl_ms
         return cls(task.id, task.run_id, task.key, task.input, claim.attempt, granted)
@@ -80,10 +83,10 @@ def _fetchone(statement: str, params: dict) -> tuple | None:
         return cursor.fetchone()
 
 
-def claim_by_id(
+def task_claim_by_id_narrow(
     *, project_id: uuid.UUID, task_id: uuid.UUID, worker_id: str, lease_ttl_ms: int | None, mailbox_id: uuid.UUID
-) -> WorkerClaim | None:
-    """Claim ``task_id`` as ``claims.task_claim_by_id`` does; return the worker's view of the claim, or None."""
+) -> NarrowClaim | None:
+    """Claim ``task_id`` as ``task_claim_by_id`` does; return the narrow view of the claim, or None."""
     if sql.fast_paths_enabled():
         validate_lease_ttl_ms(lease_ttl_ms)
         row = _fetchone(
@@ -99,17 +102,17 @@ def claim_by_id(
         )
         if row is not None:
             id_, run_id, key, input_json, attempt, granted_ms = row
-            return WorkerClaim(id_, run_id, key, json.loads(input_json), attempt, granted_ms)
-    claim = claims.task_claim_by_id(
+            return NarrowClaim(id_, run_id, key, json.loads(input_json), attempt, granted_ms)
+    claim = task_claim_by_id(
         project_id=project_id, task_id=task_id, worker_id=worker_id, lease_ttl_ms=lease_ttl_ms, mailbox_id=mailbox_id
     )
-    return WorkerClaim.of(claim) if claim is not None else None
+    return NarrowClaim.of(claim) if claim is not None else None
 
 
-def complete(*, project_id: uuid.UUID, claim_id: str, outcome: object) -> str:
-    """Complete the claim as ``claims.claim_complete`` does; return the task's new state."""
+def claim_complete_narrow(*, project_id: uuid.UUID, claim_id: str, outcome: object) -> str:
+    """Complete the claim as ``claim_complete`` does; return the task's new state."""
     if sql.fast_paths_enabled():
-        task_id, attempt = claims.parse_claim_id(claim_id)
+        task_id, attempt = parse_claim_id(claim_id)
         row = _fetchone(
             COMPLETE_NARROW_SQL,
             {
@@ -122,4 +125,4 @@ def complete(*, project_id: uuid.UUID, claim_id: str, outcome: object) -> str:
         )
         if row is not None:
             return row[0]
-    return claims.claim_complete(project_id=project_id, claim_id=claim_id, outcome=outcome).state
+    return claim_complete(project_id=project_id, claim_id=claim_id, outcome=outcome).state
