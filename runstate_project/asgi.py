@@ -20,6 +20,7 @@ Requests under ``/v1/`` go through a handler of their own (``ApiASGIHandler``):
   endpoint that needs a key is a 401 without a usable one, both before a byte of it is read.
 """
 
+import contextlib
 import functools
 import os
 import re
@@ -33,7 +34,8 @@ from django.core.asgi import get_asgi_application
 from django.core.exceptions import RequestAborted, SuspiciousFileOperation
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
-from django.core.handlers.exception import response_for_exception
+from django.core.handlers.exception import convert_exception_to_response, response_for_exception
+from django.db import close_old_connections
 from django.http import Http404
 from django.urls import URLResolver, get_resolver, set_script_prefix
 
@@ -81,17 +83,53 @@ class ApiASGIHandler(ASGIHandler):
 
             self._caches_on = True
             process_cache.enable()
-        # One thread for all of this request's synchronous work, as Django's own handler
-        # gives it (ThreadSensitiveContext), but one that served an earlier request.
+        async with self.request_thread():
+            await self.handle(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def request_thread(self):
+        """Run the synchronous work inside in one thread, as Django does, but one that served an earlier request."""
         executor = self._idle.pop() if self._idle else ThreadPoolExecutor(1, thread_name_prefix="runstate-api")
         try:
             async with ThreadSensitiveContext(executor=executor):
-                await self.handle(scope, receive, send)
+                yield
         finally:
             if len(self._idle) < IDLE_REQUEST_THREADS:
                 self._idle.append(executor)
             else:
                 executor.shutdown(wait=False)
+
+    async def view_response(self, request):
+        """Answer a request built and read already by its view, without the middleware (the hot path's fallback).
+
+        A synchronous view runs in one thread hop, which gives its database connection back
+        when it is done; an ``async`` view is awaited, its connection given back after it.
+        """
+        async with self.request_thread():
+            if not _view_is_async(request.path):
+                return await sync_to_async(self._view_in_thread, thread_sensitive=True)(request)
+            try:
+                return await self._get_response_async(request)
+            finally:
+                await sync_to_async(close_old_connections, thread_sensitive=True)()
+
+    async def in_thread(self, fn, *args):
+        """Call ``fn(*args)`` in a request thread, and give its database connection back after (one hop)."""
+
+        def call():
+            try:
+                return fn(*args)
+            finally:
+                close_old_connections()
+
+        async with self.request_thread():
+            return await sync_to_async(call, thread_sensitive=True)()
+
+    def _view_in_thread(self, request):
+        try:
+            return convert_exception_to_response(self._sync._get_response)(request)
+        finally:
+            close_old_connections()
 
     def load_middleware(self, is_async=False):  # noqa: D102
         _load_api_middleware(self, is_async)
@@ -204,7 +242,10 @@ def _route(api, site):
 
 site = get_asgi_application()  # sets Django up
 from coordination.api import edge  # noqa: E402 - its models need Django set up
+from coordination.api.hot import HotRouter  # noqa: E402 - as edge
 
 if settings.RUNSTATE_SERVE_STATIC:
     site = StaticFilesHandler(site)
-application = _route(ApiASGIHandler(), site)
+# The hot endpoints answered on the event loop, everything else (and every case the hot path
+# declines) by ApiASGIHandler (coordination/api/hot/__init__.py).
+application = _route(HotRouter(ApiASGIHandler(), _load_api_middleware), site)

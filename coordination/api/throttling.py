@@ -147,6 +147,22 @@ def request_cost(request, view) -> int:
     return max(1, len(items)) if isinstance(items, list) else 1
 
 
+def rate_wait(api_key_id: object, cost: int = 1) -> int | None:
+    """Count ``cost`` requests of a key; return the seconds to wait when it is over its limit, else None."""
+    rate = parse_rate(settings.RUNSTATE_RATE_LIMIT)
+    if rate is None:
+        return None
+    count, remaining_s = limiter.hit(str(api_key_id), rate, cost)
+    if count <= rate.count:
+        return None
+    return max(1, math.ceil(remaining_s))
+
+
+# Set on a Django request the hot path (``coordination/api/hot``) counted already, before it
+# handed the request to its view: the view's throttle must not count it twice.
+COUNTED_ATTRIBUTE = "runstate_rate_counted"
+
+
 class ApiKeyRateThrottle(BaseThrottle):
     """Limit each API key to ``RUNSTATE_RATE_LIMIT`` requests per window; a batch counts its items."""
 
@@ -158,14 +174,10 @@ class ApiKeyRateThrottle(BaseThrottle):
         api_key = getattr(principal, "api_key", None)
         if api_key is None:
             return True  # unauthenticated views (health, schema, metrics); auth refuses the rest
-        rate = parse_rate(settings.RUNSTATE_RATE_LIMIT)
-        if rate is None:
+        if getattr(request._request, COUNTED_ATTRIBUTE, False):
             return True
-        count, remaining_s = limiter.hit(str(api_key.id), rate, request_cost(request, view))
-        if count <= rate.count:
-            return True
-        self._wait = max(1, math.ceil(remaining_s))
-        return False
+        self._wait = rate_wait(api_key.id, request_cost(request, view))
+        return self._wait is None
 
     def wait(self) -> float | None:  # noqa: D102
         return self._wait
