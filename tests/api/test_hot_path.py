@@ -115,6 +115,10 @@ def claims(state, body: dict | bytes, key=None):
     return request("/v1/mailboxes/work/claims", raw, key or state.key)
 
 
+def submit(state, body: dict, key=None):
+    return request("/v1/mailboxes/work/tasks", json.dumps(body).encode(), key or state.key)
+
+
 def lost(state) -> str:
     task_hex = state.claim_id.split("_")[1]
     return claim_id_for(uuid.UUID(task_hex), 2)
@@ -165,6 +169,24 @@ CASES = {
     "claim bound key": lambda s: [claims(s, {"runId": s.run_id}, key=s.bound_key)],
     "claim foreign key": lambda s: [claims(s, {"runId": s.run_id}, key=s.foreign_key)],
     "claim not a dict": lambda s: [claims(s, b"[1, 2]")],
+    "submit": lambda s: [submit(s, {"runId": s.run_id, "input": {"a": [1, 2]}, "priority": 3})],
+    "submit with a key twice": lambda s: [
+        submit(s, {"runId": s.run_id, "key": "k"}),
+        submit(s, {"runId": s.run_id, "key": "k"}),
+    ],
+    "submit key conflict": lambda s: [
+        submit(s, {"runId": s.run_id, "key": "k", "input": 1}),
+        submit(s, {"runId": s.run_id, "key": "k", "input": 2}),
+    ],
+    "submit expired": lambda s: [submit(s, {"runId": s.run_id, "expiresAt": "2001-01-01T00:00:00Z"})],
+    "submit expiring": lambda s: [submit(s, {"runId": s.run_id, "expiresAt": "2100-01-01T00:00:00Z"})],
+    "submit bad attempts": lambda s: [submit(s, {"runId": s.run_id, "maxAttempts": 0})],
+    "submit unknown run": lambda s: [submit(s, {"runId": str(uuid.uuid4())})],
+    "submit foreign run": lambda s: [submit(s, {"runId": s.foreign_run_id})],
+    "submit without a run": lambda s: [submit(s, {"input": 1})],
+    "submit foreign key": lambda s: [submit(s, {"runId": s.run_id}, key=s.foreign_key)],
+    "submit bound key": lambda s: [submit(s, {"runId": s.run_id}, key=s.bound_key)],
+    "submit without a key": lambda s: [request("/v1/mailboxes/work/tasks", b"{}", None)],
 }
 
 # Values that differ between two fresh states by construction.
@@ -183,7 +205,9 @@ def normalized(answers: list[httpx.Response]) -> list[tuple]:
     out = []
     for answer in answers:
         body = _ID.sub(placeholder, _TIME.sub(b"<time>", answer.content))
-        headers = sorted((k, v) for k, v in answer.headers.items() if k not in _PER_REQUEST_HEADERS)
+        headers = sorted(
+            (k, _ID.sub(placeholder, v.encode())) for k, v in answer.headers.items() if k not in _PER_REQUEST_HEADERS
+        )
         out.append((answer.status_code, body, headers))
     return out
 
@@ -232,6 +256,9 @@ SERVED_BY_HOT = {
     "claim",
     "claim two",
     "claim waitMs 0",
+    "submit",
+    "submit expiring",
+    "submit expired",  # refused by the service's check, after the statement was built
 }
 
 

@@ -2,15 +2,17 @@
 
 ``HotRouter`` sits in front of ``runstate_project.asgi.ApiASGIHandler`` in the same ASGI
 application. It serves, on PostgreSQL, ``POST /v1/claims/{id}/complete|fail|release|renew``
-and ``POST /v1/mailboxes/{name}/claims`` without a wait (``endpoints``). For each request:
+and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``
+(``endpoints``). For each request:
 
 1. the route is Django's own (``resolve``), and the key is the process cache's
    (``api_key_authenticate(cached_only=True)``) with the permission the view needs;
 2. the body is read within ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (``edge.bounded``), parsed as DRF
    parses JSON and validated by the serializer's own fields (``bodies.plain_body``);
-3. the request counts against its key's rate limit (``throttling.rate_wait``), and the
-   service's statement (``coordination.services.claims.operations.*_statement``) runs on a
-   psycopg async pool (``db``), on the event loop;
+3. the request counts against its key's rate limit (``throttling.rate_wait_async``: Redis
+   asked without blocking the loop), and the service's own statement
+   (``coordination.services.claims.operations.*_statement``, ``tasks.submit_statement``)
+   runs on a psycopg async pool (``db``), on the event loop;
 4. the answer is a DRF ``Response`` rendered by DRF's renderer, with the view's headers, and
    passes through ``API_MIDDLEWARE`` (request id, log line, metrics, security headers) built
    as an async chain: the same functions as the DRF path, no thread hop.
@@ -52,13 +54,14 @@ from coordination.api import edge, errors
 from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
 from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
-from coordination.api.throttling import COUNTED_ATTRIBUTE, rate_wait
+from coordination.api.throttling import COUNTED_ATTRIBUTE, rate_wait_async
 from coordination.services.keys import api_key_authenticate
 
-# What the hot path answered (by endpoint) and handed to the views (``careful``, after its
-# statement touched no row; ``declined``, before anything): tests read it.
+# What the hot path answered (by endpoint; ``throttled``; ``refused``: a service's error) and
+# handed to the views (``careful``, after its statement touched no row; ``declined``, before
+# anything): tests read it.
 SERVED: Counter = Counter()
-_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims")
+_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks")
 _PLAIN_ACCEPT = {b"", b"*/*", b"application/json"}
 _renderer = JSONRenderer()
 
@@ -195,20 +198,21 @@ class HotRouter:
     async def _serve(self, request):
         """Answer inside the middleware: rate limit, statement, answer; the view when the statement touched no row."""
         endpoint, call = request.runstate_hot
-        wait = rate_wait(call.api_key.id)
+        wait = await rate_wait_async(call.api_key.id)
         if wait is not None:
             SERVED["throttled"] += 1
             return self._response(endpoint, errors.exception_handler(drf.Throttled(wait), {}))
         try:
-            body = await endpoint.answer(call, self.fallback.in_thread)
+            answer = await endpoint.answer(call, self.fallback.in_thread)
         except (exceptions.CoordinationError, drf.APIException, OperationalError, InterfaceError) as error:
+            SERVED["refused"] += 1
             return self._response(endpoint, errors.exception_handler(error, {}))
-        if body is None:
+        if answer is None:
             SERVED["careful"] += 1
             setattr(request, COUNTED_ATTRIBUTE, True)
             return await self.fallback.view_response(request)
         SERVED[type(endpoint).__name__] += 1
-        return self._response(endpoint, Response(body))
+        return self._response(endpoint, answer)
 
     def _response(self, endpoint: Endpoint, response: Response) -> Response:
         """Render ``response`` as the view's ``finalize_response`` and DRF's renderer would."""

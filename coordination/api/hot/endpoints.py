@@ -11,6 +11,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from django.utils import timezone
+from rest_framework.response import Response
+
 from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.auth import Principal
@@ -20,6 +23,7 @@ from coordination.api.views import work
 from coordination.models import ApiKey, Mailbox, Task
 from coordination.selectors import Visibility
 from coordination.services import dispatch, sql
+from coordination.services import tasks as task_services
 from coordination.services.claims import operations
 from coordination.services.claims.claim import Claim
 from coordination.services.mailboxes import mailbox_cached
@@ -62,7 +66,7 @@ async def _mailbox_name(task: Task, hop: Hop) -> str:
     return name
 
 
-async def _task_answer(statement_and_params: tuple[str, dict], hop: Hop, *, may_requeue: bool) -> dict | None:
+async def _task_answer(statement_and_params: tuple[str, dict], hop: Hop, *, may_requeue: bool) -> Response | None:
     """Run a statement on one claim; return the task's API shape, or None (no row: the careful path)."""
     task = await _task(*statement_and_params)
     if task is None:
@@ -71,7 +75,22 @@ async def _task_answer(statement_and_params: tuple[str, dict], hop: Hop, *, may_
         # As the services do after their statement: a task back in the queue wakes a Celery
         # worker of a bound mailbox (a broker message; rare, so in a thread).
         await hop(dispatch.work_requeued, task)
-    return present_task(task, await _mailbox_name(task, hop))
+    return Response(present_task(task, await _mailbox_name(task, hop)))
+
+
+def _cached_mailbox_and_run(call: Call) -> bool:
+    """Find the WORK mailbox and the run a request names in the process caches; False when either is not there."""
+    call.mailbox = mailbox_cached(project_id=call.project_id, name=call.kwargs["name"])
+    if call.mailbox is None or call.mailbox.mode != MailboxMode.WORK:
+        return False
+    try:
+        run = selectors.run_ref(call.visibility, call.data["runId"], cached_only=True)
+    except Exception:  # noqa: BLE001 - not found, malformed: the view answers it
+        return False
+    if run is None:
+        return False
+    call.run_id = run.id
+    return True
 
 
 class Endpoint:
@@ -84,8 +103,8 @@ class Endpoint:
         """Tell whether the hot path can answer ``call`` as the view would (else the view answers)."""
         return True
 
-    async def answer(self, call: Call, hop: Hop) -> dict | None:
-        """Run the statement; return the body of a 200, or None when the careful path must answer."""
+    async def answer(self, call: Call, hop: Hop) -> Response | None:
+        """Run the statement; return the view's answer, or None when the careful path (the view) must answer."""
         raise NotImplementedError
 
 
@@ -140,7 +159,8 @@ class Renew(Endpoint):
         task = await _task(statement, params)
         if task is None:
             return None
-        return present_claim(Claim(task, task.attempts, task.lease_expires_at), await _mailbox_name(task, hop))
+        claim = Claim(task, task.attempts, task.lease_expires_at)
+        return Response(present_claim(claim, await _mailbox_name(task, hop)))
 
 
 class ClaimTasks(Endpoint):
@@ -149,19 +169,7 @@ class ClaimTasks(Endpoint):
     view, serializer = work.ClaimCollectionView, s.ClaimIn
 
     def accepts(self, call):  # noqa: D102
-        if call.data["waitMs"] != 0:
-            return False
-        call.mailbox = mailbox_cached(project_id=call.project_id, name=call.kwargs["name"])
-        if call.mailbox is None or call.mailbox.mode != MailboxMode.WORK:
-            return False
-        try:
-            run = selectors.run_ref(call.visibility, call.data["runId"], cached_only=True)
-        except Exception:  # noqa: BLE001 - not found, malformed: the view answers it
-            return False
-        if run is None:
-            return False
-        call.run_id = run.id
-        return True
+        return call.data["waitMs"] == 0 and _cached_mailbox_and_run(call)
 
     async def answer(self, call, hop):  # noqa: D102
         mailbox = call.mailbox
@@ -177,9 +185,37 @@ class ClaimTasks(Endpoint):
         claims = operations.claims_from_rows(rows, mailbox, params["lease_until"])
         if not claims:  # nothing to claim, or a takeover due, or an inactive run: the careful path
             return None
-        return {"claims": [present_claim(claim, mailbox.name) for claim in claims]}
+        return Response({"claims": [present_claim(claim, mailbox.name) for claim in claims]})
+
+
+class Submit(Endpoint):
+    """``POST /v1/mailboxes/{name}/tasks``."""
+
+    view, serializer = work.TaskSubmitView, s.TaskSubmitIn
+
+    def accepts(self, call):  # noqa: D102
+        return _cached_mailbox_and_run(call)
+
+    async def answer(self, call, hop):  # noqa: D102
+        data, mailbox, now = call.data, call.mailbox, timezone.now()
+        spec = task_services.TaskSpec(
+            input=data["input"],
+            key=data["key"],
+            priority=data["priority"],
+            max_attempts=data.get("maxAttempts"),
+            expires_at=data["expiresAt"],
+        )
+        task, wake = task_services.submit_prepared(
+            project_id=call.project_id, mailbox=mailbox, run_id=call.run_id, spec=spec, now=now
+        )
+        rows = await db.fetch(*task_services.submit_statement(task, mailbox, now))
+        if not task_services.submitted(task, rows):  # a key used before, a gate, an inactive run
+            return None
+        if wake is not None:  # a mailbox bound to a Celery task: its message, as the service sends it
+            await hop(wake)
+        return Response(present_task(task, mailbox.name), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
 
 
 ENDPOINTS: dict[type, Endpoint] = {
-    endpoint.view: endpoint for endpoint in (Complete(), Fail(), Release(), Renew(), ClaimTasks())
+    endpoint.view: endpoint for endpoint in (Complete(), Fail(), Release(), Renew(), ClaimTasks(), Submit())
 }
