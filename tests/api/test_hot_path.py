@@ -331,3 +331,26 @@ def test_generated_claim_bodies_are_answered_alike(api_process, body, valid_run)
         return [claims(state, json.dumps(sent).encode())]
 
     assert answered(api_process, True, build)[0] == answered(api_process, False, build)[0]
+
+
+def test_a_request_that_finds_no_pooled_connection_is_answered_by_the_view(api_process):
+    api_process.RUNSTATE_HOT_POOL_SIZE = 1
+    state = fresh_state()
+    path, body, headers = complete(state)
+
+    async def scenario():
+        from runstate_project.asgi import application
+
+        transport = httpx.ASGITransport(app=application)
+        try:
+            async with (await hot_db.pool()).connection():  # the pool's only connection, held
+                async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+                    return await client.post(path, content=body, headers=headers)
+        finally:
+            await hot_db.close()
+
+    careful = hot.SERVED["careful"]
+    answer = asyncio.run(scenario())
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["state"] == "SUCCEEDED"
+    assert hot.SERVED["careful"] == careful + 1

@@ -23,8 +23,10 @@ key bound to a run (its visibility needs a read), a key whose ``last_used_at`` i
 missing permission, a body the plain validators do not accept (the serializer writes the
 exact error), an unusual ``Content-Type`` or ``Accept``, a mailbox or run not cached, a claim
 that may wait. When the statement touches no row (lease lost, nothing to claim, a group
-member, an inactive run), the request, already read and counted, is answered by its DRF view
-in one thread hop inside the same middleware chain (its throttle does not count it again).
+member, an inactive run, a key used before), or no pooled connection is ready within
+``db.READY_GRACE_S`` (the server down: the DRF path's pool answers 503 at once), the request,
+already read and counted, is answered by its DRF view in one thread hop inside the same
+middleware chain (its throttle does not count it again).
 
 **Equivalence.** ``tests/api/test_hot_path.py`` sends a fixed table of requests (valid,
 invalid, unknown claim, lost lease, unauthorized, foreign project, bound key, rate limited)
@@ -53,6 +55,7 @@ from coordination import exceptions
 from coordination.api import edge, errors
 from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
+from coordination.api.hot import db
 from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
 from coordination.api.throttling import COUNTED_ATTRIBUTE, rate_wait_async
 from coordination.services.keys import api_key_authenticate
@@ -204,6 +207,8 @@ class HotRouter:
             return self._response(endpoint, errors.exception_handler(drf.Throttled(wait), {}))
         try:
             answer = await endpoint.answer(call, self.fallback.in_thread)
+        except db.NoConnection:  # the server down or the pool busy: the DRF path's pool decides
+            answer = None
         except (exceptions.CoordinationError, drf.APIException, OperationalError, InterfaceError) as error:
             SERVED["refused"] += 1
             return self._response(endpoint, errors.exception_handler(error, {}))

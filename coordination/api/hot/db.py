@@ -19,6 +19,14 @@ from psycopg import OperationalError as PsycopgOperationalError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 _pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool] = {}
+# How long a request waits for one of the pool's connections before it is handed to the DRF
+# path, whose pool answers 503 at once while the server is down, or waits while it is busy
+# (runstate_project/postgresql); the same grace that pool gives a request.
+READY_GRACE_S = 0.25
+
+
+class NoConnection(Exception):
+    """No connection of the hot pool was ready in time: the DRF path answers the request."""
 
 
 def _connection_kwargs() -> dict:
@@ -57,14 +65,17 @@ async def pool() -> AsyncConnectionPool:
 async def fetch(statement: str, params: dict) -> list[tuple]:
     """Run one statement in a transaction of its own and return its rows.
 
-    A database that cannot be reached raises Django's ``OperationalError``, which the API
-    answers ``503 SERVICE_UNAVAILABLE`` as it does on the DRF path.
+    A connection that fails raises Django's ``OperationalError``, which the API answers
+    ``503 SERVICE_UNAVAILABLE`` as it does on the DRF path; no connection ready within
+    ``READY_GRACE_S`` raises ``NoConnection`` (nothing was sent).
     """
     try:
-        async with (await pool()).connection() as conn, conn.cursor() as cursor:
+        async with (await pool()).connection(timeout=READY_GRACE_S) as conn, conn.cursor() as cursor:
             await cursor.execute(statement, params)
             return await cursor.fetchall()
-    except (PsycopgOperationalError, PoolTimeout) as error:
+    except PoolTimeout:
+        raise NoConnection() from None
+    except PsycopgOperationalError as error:
         raise OperationalError(str(error)) from error
     except PsycopgInterfaceError as error:
         raise InterfaceError(str(error)) from error
