@@ -226,6 +226,9 @@ async def _send(requests) -> list[httpx.Response]:
 def answered(settings, hot_on: bool, build) -> tuple[list[tuple], int]:
     """Answer ``build(fresh state)``'s requests with the hot path on or off; return them and how many it served."""
     settings.RUNSTATE_HOT_PATH = hot_on
+    # The application's first request turns the caches on with a LISTEN connection on its
+    # event loop, which ends with each asyncio.run here: serve them from this thread's again.
+    caches_on(settings)
     requests = build(fresh_state())
     before = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful"))
     answers = asyncio.run(_send(requests))
@@ -335,6 +338,7 @@ def test_generated_claim_bodies_are_answered_alike(api_process, body, valid_run)
 
 def test_a_request_that_finds_no_pooled_connection_is_answered_by_the_view(api_process):
     api_process.RUNSTATE_HOT_POOL_SIZE = 1
+    caches_on(api_process)
     state = fresh_state()
     path, body, headers = complete(state)
 
