@@ -89,14 +89,17 @@ _RUN_REFS: dict[uuid.UUID, RunRef] = {}
 _RUN_REFS_MAX = 100_000
 
 
-def run_ref(visibility: Visibility, run_id: object) -> RunRef:
+def run_ref(visibility: Visibility, run_id: object, *, cached_only: bool = False) -> RunRef | None:
     """Return a visible run's id, project and path, or raise ``NotFound``, like ``run_get``.
 
     For the hot paths (submit, claim), whose services check the run's state themselves in
-    the statement that writes: a run seen before costs no query.
+    the statement that writes: a run seen before costs no query. ``cached_only`` answers
+    None instead of reading a run not seen before (the event loop may call it).
     """
     parsed = parse_id(run_id, what="Run")
     ref = _RUN_REFS.get(parsed)
+    if ref is None and cached_only:
+        return None
     if ref is None:
         found = Run.objects.filter(id=parsed).values_list("project_id", "path").first()
         if found is not None:
@@ -344,6 +347,11 @@ def event_cursor_parse(cursor: str) -> None:
 # the life of the process (bounded; a full map starts again).
 _MAILBOX_NAMES: dict[uuid.UUID, str] = {}
 _MAILBOX_NAMES_MAX = 10_000
+
+
+def mailbox_name_cached(mailbox_id: uuid.UUID) -> str | None:
+    """Return the name of mailbox ``mailbox_id`` if ``mailbox_names`` read it before, else None (no query)."""
+    return _MAILBOX_NAMES.get(mailbox_id)
 
 
 def mailbox_names(tasks: Iterable[Task]) -> dict[uuid.UUID, str]:

@@ -24,6 +24,7 @@ Requests under ``/v1/`` go through a handler of their own (``ApiASGIHandler``):
 """
 
 import asyncio
+import contextlib
 import functools
 import os
 import re
@@ -37,7 +38,8 @@ from django.core.asgi import get_asgi_application
 from django.core.exceptions import RequestAborted, SuspiciousFileOperation
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
-from django.core.handlers.exception import response_for_exception
+from django.core.handlers.exception import convert_exception_to_response, response_for_exception
+from django.db import close_old_connections
 from django.http import Http404
 from django.urls import URLResolver, get_resolver, set_script_prefix
 
@@ -121,17 +123,56 @@ class ApiASGIHandler(ASGIHandler):
 
             self._caches_on = True
             process_cache.enable()
-        # One thread for all of this request's synchronous work, as Django's own handler
-        # gives it (ThreadSensitiveContext), but one that served an earlier request, and
-        # given back while the request waits.
+        async with self.request_thread():
+            await self.handle(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def request_thread(self):
+        """Run the synchronous work inside on one thread, as Django's own handler does (ThreadSensitiveContext).
+
+        The thread is one that served an earlier request, and a wait gives it back while it
+        waits (``longpoll.thread_release``).
+        """
         thread = _RequestThread(self)
         token = longpoll.thread_release.set(thread.let_go)
         try:
             async with ThreadSensitiveContext(executor=thread):
-                await self.handle(scope, receive, send)
+                yield
         finally:
             longpoll.thread_release.reset(token)
             thread.let_go()
+
+    async def view_response(self, request):
+        """Answer a request built and read already by its view, without the middleware (the hot path's fallback).
+
+        A synchronous view runs in one thread hop, which gives its database connection back
+        when it is done; an ``async`` view is awaited, its connection given back after it.
+        """
+        async with self.request_thread():
+            if not _view_is_async(request.path):
+                return await sync_to_async(self._view_in_thread, thread_sensitive=True)(request)
+            try:
+                return await self._get_response_async(request)
+            finally:
+                await sync_to_async(close_old_connections, thread_sensitive=True)()
+
+    async def in_thread(self, fn, *args):
+        """Call ``fn(*args)`` in a request thread, and give its database connection back after (one hop)."""
+
+        def call():
+            try:
+                return fn(*args)
+            finally:
+                close_old_connections()
+
+        async with self.request_thread():
+            return await sync_to_async(call, thread_sensitive=True)()
+
+    def _view_in_thread(self, request):
+        try:
+            return convert_exception_to_response(self._sync._get_response)(request)
+        finally:
+            close_old_connections()
 
     def load_middleware(self, is_async=False):  # noqa: D102
         _load_api_middleware(self, is_async)
@@ -305,6 +346,7 @@ def _route(api, site):
 
 site = get_asgi_application()  # sets Django up
 from coordination.api import edge, longpoll  # noqa: E402 - its models need Django set up
+from coordination.api.hot import HotRouter  # noqa: E402 - as edge
 from coordination.checks import refuse_unsafe_database_routes  # noqa: E402
 
 # A database route that would break behind a pooler in transaction mode stops the process here.
@@ -312,4 +354,6 @@ refuse_unsafe_database_routes()
 
 if settings.RUNSTATE_SERVE_STATIC:
     site = StaticFilesHandler(site)
-application = _route(ApiASGIHandler(), site)
+# The hot endpoints answered on the event loop, everything else (and every case the hot path
+# declines) by ApiASGIHandler (coordination/api/hot/__init__.py).
+application = _route(HotRouter(ApiASGIHandler(), _load_api_middleware), site)

@@ -37,6 +37,16 @@ def bearer_key(header: bytes) -> str | None:
         raise AuthenticationFailed("Invalid API key.") from None
 
 
+def last_used_due(api_key: ApiKey, now) -> bool:
+    """Tell whether a request now should record itself in the key's ``last_used_at`` (a write)."""
+    return api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > LAST_USED_GRANULARITY_S
+
+
+def permission_needed(view_class: type, method: str) -> str:
+    """Return the permission ``view_class`` needs for ``method``: as it names it, else ``coordination_write``."""
+    return getattr(view_class, "required_permissions", {}).get(method, Permission.COORDINATION_WRITE)
+
+
 @dataclass(frozen=True)
 class Principal:
     """The caller behind a request: one API key of one project."""
@@ -97,7 +107,7 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         if api_key is None:
             raise AuthenticationFailed(UNUSABLE_KEY)
         now = timezone.now()
-        if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > LAST_USED_GRANULARITY_S:
+        if last_used_due(api_key, now):
             ApiKey.objects.filter(id=api_key.id).update(last_used_at=now)
         return Principal(api_key), api_key
 
@@ -121,7 +131,7 @@ class HasKeyPermission(permissions.BasePermission):
         principal = request.user
         if not isinstance(principal, Principal):
             return False
-        needed = getattr(view, "required_permissions", {}).get(request.method, Permission.COORDINATION_WRITE)
+        needed = permission_needed(view, request.method)
         if request.method in ("HEAD", "OPTIONS"):
             needed = getattr(view, "required_permissions", {}).get("GET", needed)
         if not principal.api_key.has_permission(needed):

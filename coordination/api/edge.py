@@ -37,7 +37,8 @@ def body_limit() -> int | None:
     return settings.DATA_UPLOAD_MAX_MEMORY_SIZE
 
 
-def _header(scope, name: bytes) -> bytes:
+def header(scope, name: bytes) -> bytes:
+    """Return the value of a request header (``name`` in lower case), or ``b""``."""
     return next((value for key, value in scope["headers"] if key.lower() == name), b"")
 
 
@@ -59,15 +60,15 @@ def too_large() -> JsonResponse:
 async def refusal(scope, *, needs_key: bool) -> JsonResponse | None:
     """Return the answer refusing this request before its body is read, or None to read on."""
     limit = body_limit()
-    declared = _header(scope, b"content-length")
+    declared = header(scope, b"content-length")
     length = int(declared) if declared.isdigit() else None
     if limit is not None and length is not None and length > limit:
         return too_large()
-    has_body = bool(length) or b"chunked" in _header(scope, b"transfer-encoding").lower()
+    has_body = bool(length) or b"chunked" in header(scope, b"transfer-encoding").lower()
     if not (has_body and needs_key):
         return None
     try:
-        plaintext = bearer_key(_header(scope, b"authorization"))
+        plaintext = bearer_key(header(scope, b"authorization"))
         if plaintext is None:
             raise NotAuthenticated()
         if api_key_authenticate(plaintext, cached_only=True) is None:

@@ -9,6 +9,7 @@ counts on its own. If Redis does not answer, the process falls back to its own c
 rather than refusing or waiting: a limit is a guard, not a dependency.
 """
 
+import asyncio
 import logging
 import math
 import threading
@@ -96,9 +97,29 @@ class RedisWindows:
 
     def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
         """Count ``cost`` requests; return the window's count and the seconds until it ends."""
-        name = f"runstate:ratelimit:{key}:{rate.count}/{rate.period_s}"
-        count, ttl_ms = self._count(keys=[name], args=[cost, rate.period_s * 1000])
+        count, ttl_ms = self._count(keys=[_window(key, rate)], args=[cost, rate.period_s * 1000])
         return int(count), max(int(ttl_ms), 0) / 1000
+
+
+class AsyncRedisWindows:
+    """The same windows, counted from an event loop (the API's hot path) without blocking it."""
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio
+
+        self._client = redis.asyncio.Redis.from_url(
+            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+        )
+        self._count = self._client.register_script(_COUNT_SCRIPT)
+
+    async def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
+        """Count ``cost`` requests; return the window's count and the seconds until it ends."""
+        count, ttl_ms = await self._count(keys=[_window(key, rate)], args=[cost, rate.period_s * 1000])
+        return int(count), max(int(ttl_ms), 0) / 1000
+
+
+def _window(key: str, rate: Rate) -> str:
+    return f"runstate:ratelimit:{key}:{rate.count}/{rate.period_s}"
 
 
 class Limiter:
@@ -109,16 +130,25 @@ class Limiter:
         self._redis: RedisWindows | None = None
         self._redis_url: str | None = None
         self._redis_down_until = 0.0
+        self._async: dict[asyncio.AbstractEventLoop, tuple[str, AsyncRedisWindows]] = {}
+
+    def _shared_url(self) -> str | None:
+        url = settings.CELERY_BROKER_URL
+        if not url.startswith(("redis://", "rediss://")) or time.monotonic() < self._redis_down_until:
+            return None
+        return url
 
     def _shared(self) -> RedisWindows | None:
-        url = settings.CELERY_BROKER_URL
-        if not url.startswith(("redis://", "rediss://")):
-            return None
-        if time.monotonic() < self._redis_down_until:
+        url = self._shared_url()
+        if url is None:
             return None
         if self._redis is None or self._redis_url != url:
             self._redis, self._redis_url = RedisWindows(url), url
         return self._redis
+
+    def _redis_failed(self) -> None:
+        logger.warning("rate limit: Redis unavailable, counting in-process", exc_info=True)
+        self._redis_down_until = time.monotonic() + REDIS_BACKOFF_S
 
     def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
         """Count ``cost`` requests of ``key``; return the window's count and seconds until it ends."""
@@ -127,8 +157,23 @@ class Limiter:
             try:
                 return shared.hit(key, rate, cost)
             except Exception:  # noqa: BLE001 - any Redis failure: count locally for a while
-                logger.warning("rate limit: Redis unavailable, counting in-process", exc_info=True)
-                self._redis_down_until = time.monotonic() + REDIS_BACKOFF_S
+                self._redis_failed()
+        return self.local.hit(key, rate, cost)
+
+    async def ahit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
+        """``hit``, from an event loop: Redis is asked without blocking the loop (a client per loop)."""
+        url = self._shared_url()
+        if url is not None:
+            loop = asyncio.get_running_loop()
+            found = self._async.get(loop)
+            if found is None or found[0] != url:
+                for ended in [other for other in self._async if other.is_closed()]:
+                    del self._async[ended]
+                found = self._async[loop] = (url, AsyncRedisWindows(url))
+            try:
+                return await found[1].hit(key, rate, cost)
+            except Exception:  # noqa: BLE001 - any Redis failure: count locally for a while
+                self._redis_failed()
         return self.local.hit(key, rate, cost)
 
 
@@ -147,6 +192,31 @@ def request_cost(request, view) -> int:
     return max(1, len(items)) if isinstance(items, list) else 1
 
 
+def rate_wait(api_key_id: object, cost: int = 1) -> int | None:
+    """Count ``cost`` requests of a key; return the seconds to wait when it is over its limit, else None."""
+    rate = parse_rate(settings.RUNSTATE_RATE_LIMIT)
+    if rate is None:
+        return None
+    return _wait(rate, *limiter.hit(str(api_key_id), rate, cost))
+
+
+async def rate_wait_async(api_key_id: object, cost: int = 1) -> int | None:
+    """``rate_wait`` from an event loop (the API's hot path)."""
+    rate = parse_rate(settings.RUNSTATE_RATE_LIMIT)
+    if rate is None:
+        return None
+    return _wait(rate, *await limiter.ahit(str(api_key_id), rate, cost))
+
+
+def _wait(rate: Rate, count: int, remaining_s: float) -> int | None:
+    return None if count <= rate.count else max(1, math.ceil(remaining_s))
+
+
+# Set on a Django request the hot path (``coordination/api/hot``) counted already, before it
+# handed the request to its view: the view's throttle must not count it twice.
+COUNTED_ATTRIBUTE = "runstate_rate_counted"
+
+
 class ApiKeyRateThrottle(BaseThrottle):
     """Limit each API key to ``RUNSTATE_RATE_LIMIT`` requests per window; a batch counts its items."""
 
@@ -158,14 +228,10 @@ class ApiKeyRateThrottle(BaseThrottle):
         api_key = getattr(principal, "api_key", None)
         if api_key is None:
             return True  # unauthenticated views (health, schema, metrics); auth refuses the rest
-        rate = parse_rate(settings.RUNSTATE_RATE_LIMIT)
-        if rate is None:
+        if getattr(request._request, COUNTED_ATTRIBUTE, False):
             return True
-        count, remaining_s = limiter.hit(str(api_key.id), rate, request_cost(request, view))
-        if count <= rate.count:
-            return True
-        self._wait = max(1, math.ceil(remaining_s))
-        return False
+        self._wait = rate_wait(api_key.id, request_cost(request, view))
+        return self._wait is None
 
     def wait(self) -> float | None:  # noqa: D102
         return self._wait

@@ -67,6 +67,11 @@ def mailbox_ensure(
     return mailbox, False
 
 
+def mailbox_cached(*, project_id: uuid.UUID, name: str) -> Mailbox | None:
+    """Return the project's mailbox ``name`` from this process's cache alone, or None (the event loop may call it)."""
+    return process_cache.mailboxes.get((project_id, name))
+
+
 def mailbox_get(*, project_id: uuid.UUID, name: str, mode: MailboxMode | None = None) -> Mailbox:
     """Return the project's mailbox ``name``; ``mode`` given, refuse another mode."""
     # No mailbox has a name ensure refuses; asking the database could fail on it (a NUL).

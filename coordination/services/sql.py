@@ -75,9 +75,14 @@ def fetch(sql: str, params: dict) -> list[tuple]:
 
 def fetch_models(model: type[models.Model], sql: str, params: dict, *, extra: int = 0) -> list[tuple]:
     """Run one statement whose rows start with ``model``'s columns; return ``(instance, *extra columns)``."""
+    return models_from_rows(model, fetch(sql, params), extra=extra)
+
+
+def models_from_rows(model: type[models.Model], rows, *, extra: int = 0) -> list[tuple]:
+    """Return ``(instance, *extra columns)`` for rows that start with ``model``'s columns (from any cursor)."""
     converters = _converters(model)
     width = len(model._meta.concrete_fields)
-    return [(build(model, row[:width], converters), *row[width : width + extra]) for row in fetch(sql, params)]
+    return [(build(model, row[:width], converters), *row[width : width + extra]) for row in rows]
 
 
 def json_param(value: object) -> object:

@@ -79,11 +79,11 @@ def task_submit(
     """
     spec = TaskSpec(input=input, key=key, priority=priority, max_attempts=max_attempts, expires_at=expires_at)
     now = timezone.now()
-    _validate_submit(mailbox, [spec], now)
-    if fast_paths_enabled():
-        task = _new_task(project_id, mailbox, run_id, spec, now)
-        wake = dispatch.work_accept(task, mailbox)
-        if _insert_one(task, mailbox, now):
+    if not fast_paths_enabled():
+        _validate_submit(mailbox, [spec], now)
+    else:
+        task, wake = submit_prepared(project_id=project_id, mailbox=mailbox, run_id=run_id, spec=spec, now=now)
+        if submitted(task, sql.fetch(*submit_statement(task, mailbox, now))):
             dispatch.work_wake_on_commit(wake)
             return task, True
     gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).values_list("id", flat=True).first()
@@ -256,24 +256,39 @@ SUBMIT_SQL = _submit_sql(_SUBMIT_CHAIN)
 SUBMIT_MANY_SQL = _submit_sql(_SUBMIT_LOCKED)
 
 
-def _insert_one(task: Task, mailbox: Mailbox, now: datetime) -> bool:
-    """Run ``SUBMIT_SQL`` for ``task``; fill in its run fields; return whether it was inserted."""
-    rows = sql.fetch(
-        SUBMIT_SQL,
-        {
-            **_common_params(task, mailbox, now),
-            "id": task.id,
-            "input": json.dumps(task.input),
-            "key": task.key,
-            "priority": task.priority,
-            "max_attempts": task.max_attempts,
-            "expires_at": task.expires_at,
-        },
-    )
+def submit_statement(task: Task, mailbox: Mailbox, now: datetime) -> tuple[str, dict]:
+    """Return the statement that inserts ``task`` (``SUBMIT_SQL``) and its parameters.
+
+    Whoever runs it (``task_submit`` here, the API's hot path on its own connection) passes
+    its rows to ``submitted``; no rows leave the answer to the careful path.
+    """
+    params = {
+        **_common_params(task, mailbox, now),
+        "id": task.id,
+        "input": json.dumps(task.input),
+        "key": task.key,
+        "priority": task.priority,
+        "max_attempts": task.max_attempts,
+        "expires_at": task.expires_at,
+    }
+    return SUBMIT_SQL, params
+
+
+def submitted(task: Task, rows: list[tuple]) -> bool:
+    """Fill in ``task``'s run fields from ``submit_statement``'s rows; return whether it was inserted."""
     if not rows:
         return False
     _, task.run_path, task.run_deadline = rows[0]
     return True
+
+
+def submit_prepared(
+    *, project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: TaskSpec, now: datetime
+) -> tuple[Task, object]:
+    """Check a submit and build its new task (unsaved); return it and the wake-up to send once it is inserted."""
+    _validate_submit(mailbox, [spec], now)
+    task = _new_task(project_id, mailbox, run_id, spec, now)
+    return task, dispatch.work_accept(task, mailbox)
 
 
 def _insert_many(tasks: list[Task], mailbox: Mailbox, chain: list[Run], now: datetime) -> set[uuid.UUID]:

@@ -444,3 +444,59 @@ def test_kombus_redis_channel_builds_its_client_through_connparams():
     assert isinstance(error, type) and issubclass(error, Exception), revisit(
         where, "kombu's get_redis_ConnectionError() no longer returns an exception class"
     )
+
+
+# -- The hot path (coordination/api/hot) ---------------------------------------------------------
+
+HOT = "coordination/api/hot/__init__.py"
+
+
+def test_an_async_chain_ends_in_the_handlers_own_get_response_async(settings):
+    settings.API_MIDDLEWARE = []
+    seen = []
+
+    class Innermost(BaseHandler):
+        async def _get_response_async(self, request):
+            seen.append(request)
+            return HttpResponse("inner")
+
+    handler = Innermost()
+    asgi._load_api_middleware(handler, is_async=True)
+    request = ASGIRequest(http_scope(), io.BytesIO(b""))
+    response = asyncio.run(handler._middleware_chain(request))
+    assert seen == [request] and response.content == b"inner", revisit(
+        f"{HOT} _HotHandler", "an async chain no longer ends in self._get_response_async, or is not _middleware_chain"
+    )
+
+
+def test_the_sync_inner_handler_resolves_and_calls_the_view():
+    where = f"{ASGI} ApiASGIHandler._view_in_thread (self._sync._get_response)"
+    assert params(BaseHandler._get_response) == ["self", "request"], revisit(where, "BaseHandler._get_response changed")
+    assert params(BaseHandler._get_response_async) == ["self", "request"], revisit(
+        f"{ASGI} ApiASGIHandler.view_response", "BaseHandler._get_response_async changed"
+    )
+
+
+def test_a_drf_response_renders_with_the_renderer_set_on_it():
+    from rest_framework.renderers import JSONRenderer
+    from rest_framework.response import Response
+
+    response = Response({"a": "é"}, status=201, headers={"Location": "/x"})
+    response.accepted_renderer = JSONRenderer()
+    response.accepted_media_type = "application/json"
+    response.renderer_context = {}
+    rendered = response.render()
+    assert (rendered.status_code, rendered.content, rendered["Content-Type"], rendered["Location"]) == (
+        201,
+        '{"a":"é"}'.encode(),
+        "application/json",
+        "/x",
+    ), revisit(f"{HOT} HotRouter._response", "a DRF Response no longer renders from accepted_renderer as before")
+
+
+def test_drf_views_name_their_allowed_methods():
+    from coordination.api.views.work import ClaimCompleteView
+
+    assert ClaimCompleteView().allowed_methods == ["POST", "OPTIONS"], revisit(
+        f"{HOT} HotRouter (the Allow header)", "APIView.allowed_methods changed"
+    )

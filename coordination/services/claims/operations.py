@@ -22,12 +22,59 @@ from coordination.services.claims.statements import (
     RELEASE_SQL,
     RENEW_SQL,
     fast_one,
+    one_params,
 )
 from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.services.sql import fast_paths_enabled
 from coordination.states import MailboxMode, TaskState
 
 MAX_CLAIMS_PER_CALL = 100
+
+
+def _check_claim(mailbox: Mailbox, lease_ttl_ms: int | None, max_claims: int) -> None:
+    """Refuse a claim from a mailbox of messages, or with a lease or count out of range."""
+    if mailbox.mode != MailboxMode.WORK:
+        raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds messages, not tasks.")
+    validate_lease_ttl_ms(lease_ttl_ms)
+    if not 1 <= max_claims <= MAX_CLAIMS_PER_CALL:
+        raise exceptions.ValidationFailed("Invalid max.", max=f"must be between 1 and {MAX_CLAIMS_PER_CALL}")
+
+
+def claim_statement(
+    *,
+    project_id: uuid.UUID,
+    mailbox: Mailbox,
+    run_id: uuid.UUID,
+    worker_id: str = "",
+    lease_ttl_ms: int | None = None,
+    max_claims: int = 1,
+) -> tuple[str, dict]:
+    """Return ``task_claim``'s single statement and its parameters, after the checks it makes first.
+
+    Whoever runs it (the service here, the API's hot path on its own connection) builds the
+    claims from its rows with ``claims_from_rows``; no rows leave the answer to the careful path.
+    """
+    _check_claim(mailbox, lease_ttl_ms, max_claims)
+    now = timezone.now()
+    params = {
+        "project_id": project_id,
+        "mailbox_id": mailbox.id,
+        "run_id": run_id,
+        "now": now,
+        "lease_until": now + timedelta(milliseconds=lease_ttl_ms or mailbox.lease_ttl_ms),
+        "worker_id": worker_id,
+        "max": max_claims,
+    }
+    return CLAIM_SQL, params
+
+
+def claims_from_rows(rows: list[tuple], mailbox: Mailbox, lease_until) -> list[Claim]:
+    """Return the claims ``claim_statement``'s rows (``sql.models_from_rows`` of ``Task``) hand out."""
+    claims = []
+    for (task,) in rows:
+        Task.mailbox.field.set_cached_value(task, mailbox)
+        claims.append(Claim(task, task.attempts, lease_until))
+    return claims
 
 
 def task_claim(
@@ -47,32 +94,18 @@ def task_claim(
     On PostgreSQL one statement claims when the run is active and has no lease to take
     over; otherwise (and when it finds nothing) the careful path decides.
     """
-    if mailbox.mode != MailboxMode.WORK:
-        raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds messages, not tasks.")
-    validate_lease_ttl_ms(lease_ttl_ms)
-    if not 1 <= max_claims <= MAX_CLAIMS_PER_CALL:
-        raise exceptions.ValidationFailed("Invalid max.", max=f"must be between 1 and {MAX_CLAIMS_PER_CALL}")
+    _check_claim(mailbox, lease_ttl_ms, max_claims)
     if fast_paths_enabled():
-        now = timezone.now()
-        lease_until = now + timedelta(milliseconds=lease_ttl_ms or mailbox.lease_ttl_ms)
-        rows = sql.fetch_models(
-            Task,
-            CLAIM_SQL,
-            {
-                "project_id": project_id,
-                "mailbox_id": mailbox.id,
-                "run_id": run_id,
-                "now": now,
-                "lease_until": lease_until,
-                "worker_id": worker_id,
-                "max": max_claims,
-            },
+        statement, params = claim_statement(
+            project_id=project_id,
+            mailbox=mailbox,
+            run_id=run_id,
+            worker_id=worker_id,
+            lease_ttl_ms=lease_ttl_ms,
+            max_claims=max_claims,
         )
-        if rows:
-            claims = []
-            for (task,) in rows:
-                Task.mailbox.field.set_cached_value(task, mailbox)
-                claims.append(Claim(task, task.attempts, lease_until))
+        claims = claims_from_rows(sql.fetch_models(Task, statement, params), mailbox, params["lease_until"])
+        if claims:
             return claims
     return careful.task_claim(
         project_id=project_id,
@@ -126,10 +159,48 @@ def task_claim_by_id(
     )
 
 
+# Each operation on one claim: its statement and parameters (after the checks it makes first),
+# then the changed task or, when the statement touched no row, the careful path's answer. The
+# API's hot path runs the same statements on its own connection.
+
+
+def renew_statement(*, project_id: uuid.UUID, claim_id: str, lease_ttl_ms: int | None = None) -> tuple[str, dict]:
+    """Return ``claim_renew``'s statement and parameters."""
+    validate_lease_ttl_ms(lease_ttl_ms)
+    return RENEW_SQL, one_params(project_id, claim_id, now=timezone.now(), lease_ttl_ms=lease_ttl_ms)
+
+
+def complete_statement(*, project_id: uuid.UUID, claim_id: str, outcome: object) -> tuple[str, dict]:
+    """Return ``claim_complete``'s statement and parameters."""
+    return COMPLETE_SQL, one_params(project_id, claim_id, now=timezone.now(), outcome=sql.json_param(outcome))
+
+
+def fail_statement(
+    *, project_id: uuid.UUID, claim_id: str, error: object, retry: bool = False, retry_delay_ms: int = 0
+) -> tuple[str, dict]:
+    """Return ``claim_fail``'s statement and parameters."""
+    if retry_delay_ms < 0:
+        raise exceptions.ValidationFailed("Invalid retry delay.", retryDelayMs="must be >= 0")
+    now = timezone.now()
+    params = one_params(
+        project_id,
+        claim_id,
+        now=now,
+        error=sql.json_param(error),
+        retry=retry,
+        available_at=now + timedelta(milliseconds=retry_delay_ms),
+    )
+    return FAIL_SQL, params
+
+
+def release_statement(*, project_id: uuid.UUID, claim_id: str) -> tuple[str, dict]:
+    """Return ``claim_release``'s statement and parameters."""
+    return RELEASE_SQL, one_params(project_id, claim_id, now=timezone.now())
+
+
 def claim_renew(*, project_id: uuid.UUID, claim_id: str, lease_ttl_ms: int | None = None) -> Claim:
     """Extend the claim's lease; the answer tells whether cancellation was requested."""
-    validate_lease_ttl_ms(lease_ttl_ms)
-    task = fast_one(RENEW_SQL, project_id, claim_id, now=timezone.now(), lease_ttl_ms=lease_ttl_ms)
+    task = fast_one(*renew_statement(project_id=project_id, claim_id=claim_id, lease_ttl_ms=lease_ttl_ms))
     if task is not None:
         return Claim(task, task.attempts, task.lease_expires_at)
     return careful.claim_renew(project_id=project_id, claim_id=claim_id, lease_ttl_ms=lease_ttl_ms)
@@ -137,7 +208,7 @@ def claim_renew(*, project_id: uuid.UUID, claim_id: str, lease_ttl_ms: int | Non
 
 def claim_complete(*, project_id: uuid.UUID, claim_id: str, outcome: object) -> Task:
     """Record the handler's result: ``SUCCEEDED``, or ``CANCELLED`` if cancellation was requested."""
-    task = fast_one(COMPLETE_SQL, project_id, claim_id, now=timezone.now(), outcome=sql.json_param(outcome))
+    task = fast_one(*complete_statement(project_id=project_id, claim_id=claim_id, outcome=outcome))
     if task is None:
         return careful.claim_complete(project_id=project_id, claim_id=claim_id, outcome=outcome)
     return task
@@ -150,17 +221,10 @@ def claim_fail(
 
     After a cancellation request a failure is final and never rewritten as a cancellation.
     """
-    if retry_delay_ms < 0:
-        raise exceptions.ValidationFailed("Invalid retry delay.", retryDelayMs="must be >= 0")
-    now = timezone.now()
     task = fast_one(
-        FAIL_SQL,
-        project_id,
-        claim_id,
-        now=now,
-        error=sql.json_param(error),
-        retry=retry,
-        available_at=now + timedelta(milliseconds=retry_delay_ms),
+        *fail_statement(
+            project_id=project_id, claim_id=claim_id, error=error, retry=retry, retry_delay_ms=retry_delay_ms
+        )
     )
     if task is None:
         return careful.claim_fail(
@@ -177,7 +241,7 @@ def claim_release(*, project_id: uuid.UUID, claim_id: str) -> Task:
     Works on an inactive run too: after its run was cancelled the task is already
     ``CANCELLED`` and the release answers it unchanged.
     """
-    task = fast_one(RELEASE_SQL, project_id, claim_id, now=timezone.now())
+    task = fast_one(*release_statement(project_id=project_id, claim_id=claim_id))
     if task is None:
         return careful.claim_release(project_id=project_id, claim_id=claim_id)
     if task.state == TaskState.QUEUED:

@@ -233,12 +233,15 @@ SELECT {_TASK} FROM done
 """
 
 
-def fast_one(statement: str, project_id: uuid.UUID, claim_id: str, **params) -> Task | None:
+def one_params(project_id: uuid.UUID, claim_id: str, **params) -> dict:
+    """Return the parameters of a fenced single statement on one claim; a malformed claim id is ``NOT_FOUND``."""
+    task_id, attempt = parse_claim_id(claim_id)
+    return {"task_id": task_id, "project_id": project_id, "attempt": attempt, **params}
+
+
+def fast_one(statement: str, params: dict) -> Task | None:
     """Run a fenced single statement on one claim; return the changed task, or None (careful path)."""
     if not fast_paths_enabled():
         return None
-    task_id, attempt = parse_claim_id(claim_id)
-    rows = sql.fetch_models(
-        Task, statement, {"task_id": task_id, "project_id": project_id, "attempt": attempt, **params}
-    )
+    rows = sql.fetch_models(Task, statement, params)
     return rows[0][0] if rows else None

@@ -1,0 +1,254 @@
+"""The API's hot path: the hot endpoints answered on the event loop, with one statement and no thread hop.
+
+``HotRouter`` sits in front of ``runstate_project.asgi.ApiASGIHandler`` in the same ASGI
+application. It serves, on PostgreSQL, ``POST /v1/claims/{id}/complete|fail|release|renew``
+and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``
+(``endpoints``). For each request:
+
+1. the route is Django's own (``resolve``), and the key is the process cache's
+   (``api_key_authenticate(cached_only=True)``) with the permission the view needs;
+2. the body is read within ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (``edge.bounded``), parsed as DRF
+   parses JSON and validated by the serializer's own fields (``bodies.plain_body``);
+3. the request counts against its key's rate limit (``throttling.rate_wait_async``: Redis
+   asked without blocking the loop), and the service's own statement
+   (``coordination.services.claims.operations.*_statement``, ``tasks.submit_statement``)
+   runs on a psycopg async pool (``db``), on the event loop;
+4. the answer is a DRF ``Response`` rendered by DRF's renderer, with the view's headers, and
+   passes through ``API_MIDDLEWARE`` (request id, log line, metrics, security headers) built
+   as an async chain: the same functions as the DRF path, no thread hop.
+
+**The fallback rule.** Anything the hot path cannot decide from what it holds in memory goes
+to the DRF path unchanged, before anything is counted or written: a key not in the cache, a
+key bound to a run (its visibility needs a read), a key whose ``last_used_at`` is due, a
+missing permission, a body the plain validators do not accept (the serializer writes the
+exact error), an unusual ``Content-Type`` or ``Accept``, a mailbox or run not cached, a claim
+that may wait. When the statement touches no row (lease lost, nothing to claim, a group
+member, an inactive run, a key used before), or no pooled connection is ready within
+``db.READY_GRACE_S`` (the server down: the DRF path's pool answers 503 at once), the request,
+already read and counted, is answered by its DRF view in one thread hop inside the same
+middleware chain (its throttle does not count it again).
+
+**Equivalence.** ``tests/api/test_hot_path.py`` sends a fixed table of requests (valid,
+invalid, unknown claim, lost lease, unauthorized, foreign project, bound key, rate limited)
+and Hypothesis-generated bodies to the application with the hot path on and off, on identical
+fresh state, and compares status, body and headers; a counter (``SERVED``) shows that the hot
+path, not DRF, answered.
+"""
+
+import io
+from collections import Counter
+
+from django.conf import settings
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIRequest, get_script_prefix
+from django.core.handlers.base import BaseHandler
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+from django.urls import Resolver404, get_resolver, set_script_prefix, set_urlconf
+from django.utils import timezone
+from django.utils.log import log_response
+from rest_framework import exceptions as drf
+from rest_framework.renderers import JSONRenderer
+from rest_framework.response import Response
+from rest_framework.utils import json as drf_json
+
+from coordination import exceptions
+from coordination.api import edge, errors
+from coordination.api.auth import bearer_key, last_used_due, permission_needed
+from coordination.api.bodies import plain_body
+from coordination.api.hot import db
+from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
+from coordination.api.throttling import COUNTED_ATTRIBUTE, rate_wait_async
+from coordination.services.keys import api_key_authenticate
+
+# What the hot path answered (by endpoint; ``throttled``; ``refused``: a service's error) and
+# handed to the views (``careful``, after its statement touched no row; ``declined``, before
+# anything): tests read it.
+SERVED: Counter = Counter()
+_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks")
+_PLAIN_ACCEPT = {b"", b"*/*", b"application/json"}
+_renderer = JSONRenderer()
+
+
+def enabled() -> bool:
+    """Tell whether the hot path serves (``RUNSTATE_HOT_PATH``, PostgreSQL, fast paths on)."""
+    return (
+        settings.RUNSTATE_HOT_PATH
+        and getattr(settings, "RUNSTATE_FAST_PATHS", True)
+        and connections.settings[DEFAULT_DB_ALIAS]["ENGINE"].endswith("postgresql")
+    )
+
+
+class _Declined(Exception):
+    """The hot path does not serve this request: the DRF path answers it."""
+
+
+class _HotHandler(BaseHandler):
+    """``API_MIDDLEWARE`` as an async chain around the hot path's own answer."""
+
+    def __init__(self, load_middleware, serve) -> None:
+        super().__init__()
+        self._serve = serve
+        load_middleware(self, is_async=True)
+
+    async def _get_response_async(self, request):  # the innermost handler of the chain
+        return await self._serve(request)
+
+    async def respond(self, request):
+        """Answer ``request`` through the middleware, as ``BaseHandler.get_response`` does, on the event loop."""
+        set_urlconf(settings.ROOT_URLCONF)
+        response = await self._middleware_chain(request)
+        response._resource_closers.append(request.close)
+        if response.status_code >= 400:
+            log_response("%s: %s", response.reason_phrase, request.path, response=response, request=request)
+        return response
+
+
+class HotRouter:
+    """An ASGI application: the hot endpoints here, every other request (and every declined one) to ``fallback``."""
+
+    def __init__(self, fallback, load_middleware) -> None:
+        self.fallback = fallback
+        self._handler = _HotHandler(load_middleware, self._serve)
+        self._allow = {view: ", ".join(view().allowed_methods) for view in ENDPOINTS}
+
+    async def __call__(self, scope, receive, send):  # noqa: D102 - see the class
+        found = self._endpoint(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if found is None or not enabled():
+            return await self.fallback(scope, receive, send)
+        endpoint, match = found
+        api_key = self._caller(scope, endpoint)
+        if api_key is None or not self._plain_headers(scope, endpoint):
+            SERVED["declined"] += 1
+            return await self.fallback(scope, receive, send)
+        try:
+            body = await _read_body(receive)
+        except RequestAborted:
+            return None
+        except edge.BodyTooLarge:  # as ApiASGIHandler answers it
+            return await self.fallback.send_response(edge.too_large(), send)
+        try:
+            call = Call(api_key, match.kwargs, self._body(endpoint, body))
+            if not endpoint.accepts(call):
+                raise _Declined()
+        except _Declined:
+            SERVED["declined"] += 1
+            return await self.fallback(scope, _replaying(body, receive), send)
+        set_script_prefix(get_script_prefix(scope))
+        request = ASGIRequest(scope, io.BytesIO(body))
+        request.resolver_match = match
+        request.runstate_hot = (endpoint, call)
+        response = await self._handler.respond(request)
+        await self.fallback.send_response(response, send)
+        response.close()
+        return None
+
+    @staticmethod
+    def _endpoint(scope) -> tuple[Endpoint, object] | None:
+        path = scope["path"]
+        if not path.endswith(_SUFFIXES) or scope.get("root_path"):
+            return None
+        try:
+            match = get_resolver().resolve(path)
+        except Resolver404:
+            return None
+        endpoint = ENDPOINTS.get(getattr(match.func, "cls", None))
+        return None if endpoint is None else (endpoint, match)
+
+    @staticmethod
+    def _caller(scope, endpoint: Endpoint):
+        """Return the request's key if the cache knows it and the view would let it through unwritten, else None."""
+        try:
+            plaintext = bearer_key(edge.header(scope, b"authorization"))
+        except drf.AuthenticationFailed:
+            return None
+        api_key = api_key_authenticate(plaintext, cached_only=True) if plaintext is not None else None
+        if (
+            api_key is None
+            or api_key.run_id is not None  # a bound key: what it may see needs a read
+            or last_used_due(api_key, timezone.now())  # the view records the use (a write)
+            or not api_key.has_permission(permission_needed(endpoint.view, "POST"))
+        ):
+            return None
+        return api_key
+
+    @staticmethod
+    def _plain_headers(scope, endpoint: Endpoint) -> bool:
+        """Tell whether the request asks for plain JSON and, where a body is read, sends it; and fits the limit."""
+        if edge.header(scope, b"accept").strip().lower() not in _PLAIN_ACCEPT:
+            return False
+        declared = edge.header(scope, b"content-length")
+        limit = edge.body_limit()
+        if not declared.isdigit() or (limit is not None and int(declared) > limit):
+            return False  # chunked, or a refusal ApiASGIHandler gives
+        if endpoint.serializer is None:
+            return True
+        return edge.header(scope, b"content-type").strip().lower() == b"application/json" and int(declared) > 0
+
+    @staticmethod
+    def _body(endpoint: Endpoint, body: bytes) -> dict:
+        if endpoint.serializer is None:
+            return {}
+        try:
+            # As DRF's JSONParser reads it (strict: no NaN or Infinity).
+            data = drf_json.loads(body.decode("utf-8"))
+        except (ValueError, RecursionError):
+            raise _Declined() from None
+        validated = plain_body(endpoint.serializer, data)
+        if validated is None:
+            raise _Declined()
+        return validated
+
+    async def _serve(self, request):
+        """Answer inside the middleware: rate limit, statement, answer; the view when the statement touched no row."""
+        endpoint, call = request.runstate_hot
+        wait = await rate_wait_async(call.api_key.id)
+        if wait is not None:
+            SERVED["throttled"] += 1
+            return self._response(endpoint, errors.exception_handler(drf.Throttled(wait), {}))
+        try:
+            answer = await endpoint.answer(call, self.fallback.in_thread)
+        except db.NoConnection:  # the server down or the pool busy: the DRF path's pool decides
+            answer = None
+        except (exceptions.CoordinationError, drf.APIException, OperationalError, InterfaceError) as error:
+            SERVED["refused"] += 1
+            return self._response(endpoint, errors.exception_handler(error, {}))
+        if answer is None:
+            SERVED["careful"] += 1
+            setattr(request, COUNTED_ATTRIBUTE, True)
+            return await self.fallback.view_response(request)
+        SERVED[type(endpoint).__name__] += 1
+        return self._response(endpoint, answer)
+
+    def _response(self, endpoint: Endpoint, response: Response) -> Response:
+        """Render ``response`` as the view's ``finalize_response`` and DRF's renderer would."""
+        response.accepted_renderer = _renderer
+        response.accepted_media_type = _renderer.media_type
+        response.renderer_context = {}
+        response["Allow"] = self._allow[endpoint.view]
+        return response.render()
+
+
+async def _read_body(receive) -> bytes:
+    """Read the whole body within the limit (``edge.BodyTooLarge`` past it, ``RequestAborted`` if the client left)."""
+    bounded = edge.bounded(receive, edge.body_limit())
+    chunks = []
+    while True:
+        message = await bounded()
+        if message["type"] == "http.disconnect":
+            raise RequestAborted()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive):
+    """Return a ``receive`` that gives ``body`` again, then what ``receive`` gives (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+__all__ = ["SERVED", "HotRouter", "enabled"]

@@ -1,0 +1,221 @@
+"""The endpoints the hot path serves: what each checks before its statement, and its answer.
+
+Each endpoint names its DRF view (its route, permission, ``Allow`` header and serializer come
+from there), checks what the view would check before it writes (``accepts``: anything it
+cannot decide from the process caches sends the request to the view), builds its statement
+with the service's own function (``coordination.services.claims``) and answers from the rows.
+No rows: the view answers (the careful path).
+"""
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django.utils import timezone
+from rest_framework.response import Response
+
+from coordination import selectors
+from coordination.api import serializers as s
+from coordination.api.auth import Principal
+from coordination.api.hot import db
+from coordination.api.presenters import present_claim, present_task
+from coordination.api.views import work
+from coordination.models import ApiKey, Mailbox, Task
+from coordination.selectors import Visibility
+from coordination.services import dispatch, sql
+from coordination.services import tasks as task_services
+from coordination.services.claims import operations
+from coordination.services.claims.claim import Claim
+from coordination.services.mailboxes import mailbox_cached
+from coordination.states import MailboxMode, TaskState
+
+# ``hop(fn, *args)``: run ``fn`` in one request thread (ApiASGIHandler.in_thread).
+Hop = Callable[..., Awaitable[Any]]
+
+
+@dataclass
+class Call:
+    """One request the hot path serves: its key, the route's arguments and the validated body."""
+
+    api_key: ApiKey
+    kwargs: dict
+    data: dict
+    mailbox: Mailbox | None = None
+    run_id: Any = None
+
+    @property
+    def project_id(self):
+        """Return the caller's project id."""
+        return self.api_key.project_id
+
+    @property
+    def visibility(self) -> Visibility:
+        """Return what the caller's key can see."""
+        return Principal(self.api_key).visibility
+
+
+async def _task(statement: str, params: dict) -> Task | None:
+    rows = sql.models_from_rows(Task, await db.fetch(statement, params))
+    return rows[0][0] if rows else None
+
+
+async def _mailbox_name(task: Task, hop: Hop) -> str:
+    name = selectors.mailbox_name_cached(task.mailbox_id)
+    if name is None:  # the first task of a mailbox this process answers: one read
+        name = (await hop(selectors.mailbox_names, [task]))[task.mailbox_id]
+    return name
+
+
+async def _task_answer(statement_and_params: tuple[str, dict], hop: Hop, *, may_requeue: bool) -> Response | None:
+    """Run a statement on one claim; return the task's API shape, or None (no row: the careful path)."""
+    task = await _task(*statement_and_params)
+    if task is None:
+        return None
+    if may_requeue and task.state == TaskState.QUEUED and dispatch.waker() is not None:
+        # As the services do after their statement: a task back in the queue wakes a Celery
+        # worker of a bound mailbox (a broker message; rare, so in a thread).
+        await hop(dispatch.work_requeued, task)
+    return Response(present_task(task, await _mailbox_name(task, hop)))
+
+
+def _cached_mailbox_and_run(call: Call) -> bool:
+    """Find the WORK mailbox and the run a request names in the process caches; False when either is not there."""
+    call.mailbox = mailbox_cached(project_id=call.project_id, name=call.kwargs["name"])
+    if call.mailbox is None or call.mailbox.mode != MailboxMode.WORK:
+        return False
+    try:
+        run = selectors.run_ref(call.visibility, call.data["runId"], cached_only=True)
+    except Exception:  # noqa: BLE001 - not found, malformed: the view answers it
+        return False
+    if run is None:
+        return False
+    call.run_id = run.id
+    return True
+
+
+class Endpoint:
+    """A hot endpoint: its DRF view and body serializer, its checks, its statement and answer."""
+
+    view: type
+    serializer: type | None
+
+    def accepts(self, call: Call) -> bool:
+        """Tell whether the hot path can answer ``call`` as the view would (else the view answers)."""
+        return True
+
+    async def answer(self, call: Call, hop: Hop) -> Response | None:
+        """Run the statement; return the view's answer, or None when the careful path (the view) must answer."""
+        raise NotImplementedError
+
+
+class Complete(Endpoint):
+    """``POST /v1/claims/{id}/complete``."""
+
+    view, serializer = work.ClaimCompleteView, s.CompleteIn
+
+    async def answer(self, call, hop):  # noqa: D102
+        statement = operations.complete_statement(
+            project_id=call.project_id, claim_id=call.kwargs["claim_id"], outcome=call.data["outcome"]
+        )
+        return await _task_answer(statement, hop, may_requeue=False)
+
+
+class Fail(Endpoint):
+    """``POST /v1/claims/{id}/fail``."""
+
+    view, serializer = work.ClaimFailView, s.FailIn
+
+    async def answer(self, call, hop):  # noqa: D102
+        data = call.data
+        statement = operations.fail_statement(
+            project_id=call.project_id,
+            claim_id=call.kwargs["claim_id"],
+            error=data["error"],
+            retry=data["retry"],
+            retry_delay_ms=data["retryDelayMs"],
+        )
+        return await _task_answer(statement, hop, may_requeue=True)
+
+
+class Release(Endpoint):
+    """``POST /v1/claims/{id}/release`` (its view reads no body)."""
+
+    view, serializer = work.ClaimReleaseView, None
+
+    async def answer(self, call, hop):  # noqa: D102
+        statement = operations.release_statement(project_id=call.project_id, claim_id=call.kwargs["claim_id"])
+        return await _task_answer(statement, hop, may_requeue=True)
+
+
+class Renew(Endpoint):
+    """``POST /v1/claims/{id}/renew``."""
+
+    view, serializer = work.ClaimRenewView, s.RenewIn
+
+    async def answer(self, call, hop):  # noqa: D102
+        statement, params = operations.renew_statement(
+            project_id=call.project_id, claim_id=call.kwargs["claim_id"], lease_ttl_ms=call.data.get("leaseTtlMs")
+        )
+        task = await _task(statement, params)
+        if task is None:
+            return None
+        claim = Claim(task, task.attempts, task.lease_expires_at)
+        return Response(present_claim(claim, await _mailbox_name(task, hop)))
+
+
+class ClaimTasks(Endpoint):
+    """``POST /v1/mailboxes/{name}/claims`` without a wait (a claim that may wait is the view's long-poll)."""
+
+    view, serializer = work.ClaimCollectionView, s.ClaimIn
+
+    def accepts(self, call):  # noqa: D102
+        return call.data["waitMs"] == 0 and _cached_mailbox_and_run(call)
+
+    async def answer(self, call, hop):  # noqa: D102
+        mailbox = call.mailbox
+        statement, params = operations.claim_statement(
+            project_id=call.project_id,
+            mailbox=mailbox,
+            run_id=call.run_id,
+            worker_id=call.data["workerId"],
+            lease_ttl_ms=call.data.get("leaseTtlMs"),
+            max_claims=call.data["max"],
+        )
+        rows = sql.models_from_rows(Task, await db.fetch(statement, params))
+        claims = operations.claims_from_rows(rows, mailbox, params["lease_until"])
+        if not claims:  # nothing to claim, or a takeover due, or an inactive run: the careful path
+            return None
+        return Response({"claims": [present_claim(claim, mailbox.name) for claim in claims]})
+
+
+class Submit(Endpoint):
+    """``POST /v1/mailboxes/{name}/tasks``."""
+
+    view, serializer = work.TaskSubmitView, s.TaskSubmitIn
+
+    def accepts(self, call):  # noqa: D102
+        return _cached_mailbox_and_run(call)
+
+    async def answer(self, call, hop):  # noqa: D102
+        data, mailbox, now = call.data, call.mailbox, timezone.now()
+        spec = task_services.TaskSpec(
+            input=data["input"],
+            key=data["key"],
+            priority=data["priority"],
+            max_attempts=data.get("maxAttempts"),
+            expires_at=data["expiresAt"],
+        )
+        task, wake = task_services.submit_prepared(
+            project_id=call.project_id, mailbox=mailbox, run_id=call.run_id, spec=spec, now=now
+        )
+        rows = await db.fetch(*task_services.submit_statement(task, mailbox, now))
+        if not task_services.submitted(task, rows):  # a key used before, a gate, an inactive run
+            return None
+        if wake is not None:  # a mailbox bound to a Celery task: its message, as the service sends it
+            await hop(wake)
+        return Response(present_task(task, mailbox.name), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
+
+
+ENDPOINTS: dict[type, Endpoint] = {
+    endpoint.view: endpoint for endpoint in (Complete(), Fail(), Release(), Renew(), ClaimTasks(), Submit())
+}

@@ -1,0 +1,360 @@
+"""The hot path (coordination/api/hot) answers exactly what the DRF views answer.
+
+Each request goes through the real ASGI application (``runstate_project.asgi.application``),
+once with the hot path on and once with it off (every request through DRF), each time on
+fresh state built the same way: a project, its keys cached in the process as a running API
+process has them, a mailbox, a run, queued tasks and one claimed. Status, body and headers
+must be equal, after the values that differ by construction (ids, times, the request id)
+are replaced by placeholders in order of appearance. ``SERVED`` shows that the hot path, not
+DRF, answered the requests it serves, so the comparison cannot pass by both going through DRF.
+"""
+
+import asyncio
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from django.utils import timezone
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from coordination import process_cache, selectors
+from coordination.api import hot
+from coordination.api.auth import Principal
+from coordination.api.hot import db as hot_db
+from coordination.models import ApiKey
+from coordination.services.claims import claim_id_for, task_claim
+from coordination.services.keys import api_key_authenticate, api_key_create, project_ensure
+from coordination.services.mailboxes import mailbox_ensure, mailbox_get
+from coordination.services.runs import run_create
+from coordination.services.tasks import task_submit
+from coordination.states import MailboxMode, Permission
+from tests.api.test_process_cache import caches_on
+from tests.workers.live import wait_until
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
+
+WRITE = [Permission.COORDINATION_READ, Permission.COORDINATION_WRITE]
+
+
+@dataclass
+class State:
+    """What one side of a comparison starts from."""
+
+    key: str
+    foreign_key: str
+    bound_key: str
+    read_only_key: str
+    run_id: str
+    foreign_run_id: str
+    claim_id: str
+    task_id: str
+
+
+def _cached_key(project, run_id=None, permissions=WRITE) -> str:
+    """Issue a key and have this process cache it as a running API process would (used a moment ago)."""
+    issued = api_key_create(project_id=project.id, permissions=list(permissions), run_id=run_id)
+    generation = process_cache.api_keys.generation
+    ApiKey.objects.filter(id=issued.api_key.id).update(last_used_at=timezone.now())
+    # The update's notification forgets the key: wait for it before the key is read again.
+    wait_until(lambda: process_cache.api_keys.generation > generation, timeout_s=30, what="the key's notification")
+    api_key_authenticate(issued.plaintext)
+    return issued.plaintext
+
+
+def fresh_state() -> State:
+    """Build a project with a mailbox, a run, three queued tasks and one claimed; cache what an API process would."""
+    project = project_ensure(name=f"hot-{uuid.uuid4().hex[:12]}")
+    foreign = project_ensure(name=f"hot-{uuid.uuid4().hex[:12]}")
+    run = run_create(project_id=project.id, name="r")
+    foreign_run = run_create(project_id=foreign.id, name="r")
+    mailbox, _ = mailbox_ensure(project_id=project.id, name="work", mode=MailboxMode.WORK)
+    for index in range(3):
+        task_submit(project_id=project.id, mailbox=mailbox, run_id=run.id, input={"n": index}, priority=index)
+    [claim] = task_claim(project_id=project.id, mailbox=mailbox, run_id=run.id, worker_id="w1")
+    state = State(
+        key=_cached_key(project),
+        foreign_key=_cached_key(foreign),
+        bound_key=_cached_key(project, run_id=run.id),
+        read_only_key=_cached_key(project, permissions=[Permission.COORDINATION_READ]),
+        run_id=str(run.id),
+        foreign_run_id=str(foreign_run.id),
+        claim_id=claim.claim_id,
+        task_id=str(claim.task.id),
+    )
+    # What the first requests of a running process have read: the mailbox, its name, the run.
+    mailbox_get(project_id=project.id, name="work")
+    selectors.mailbox_names([claim.task])
+    visibility = Principal(ApiKey.objects.get(prefix=state.key.split("_")[1])).visibility
+    selectors.run_ref(visibility, run.id)
+    return state
+
+
+# A request: (path, body, headers), built from a state. ``body`` None: no body; bytes: as is.
+def complete(state, body=b'{"outcome": {"ok": true}}', **kwargs):
+    return request(f"/v1/claims/{state.claim_id}/complete", body, state.key, **kwargs)
+
+
+def request(path, body, key, *, content_type="application/json", accept=None, auth=None):
+    headers = {}
+    if key is not None:
+        headers["Authorization"] = auth or f"Bearer {key}"
+    if body is not None:
+        headers["Content-Type"] = content_type
+    if accept is not None:
+        headers["Accept"] = accept
+    return path, body, headers
+
+
+def claims(state, body: dict | bytes, key=None):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return request("/v1/mailboxes/work/claims", raw, key or state.key)
+
+
+def submit(state, body: dict, key=None):
+    return request("/v1/mailboxes/work/tasks", json.dumps(body).encode(), key or state.key)
+
+
+def lost(state) -> str:
+    task_hex = state.claim_id.split("_")[1]
+    return claim_id_for(uuid.UUID(task_hex), 2)
+
+
+CASES = {
+    "complete": lambda s: [complete(s)],
+    "complete null outcome": lambda s: [complete(s, b"{}")],
+    "complete twice (second: lease lost)": lambda s: [complete(s), complete(s)],
+    "complete unknown field": lambda s: [complete(s, b'{"outcome": 1, "bogus": 2}')],
+    "complete malformed JSON": lambda s: [complete(s, b'{"outcome": ')],
+    "complete NaN": lambda s: [complete(s, b'{"outcome": NaN}')],
+    "complete form body": lambda s: [complete(s, b"outcome=1", content_type="application/x-www-form-urlencoded")],
+    "complete unknown claim": lambda s: [request(f"/v1/claims/{claim_id_for(uuid.uuid4(), 1)}/complete", b"{}", s.key)],
+    "complete malformed claim id": lambda s: [request("/v1/claims/nonsense/complete", b"{}", s.key)],
+    "complete lost lease": lambda s: [request(f"/v1/claims/{lost(s)}/complete", b"{}", s.key)],
+    "complete without a key": lambda s: [request(f"/v1/claims/{s.claim_id}/complete", b"{}", None)],
+    "complete with a wrong key": lambda s: [complete(s, auth="Bearer rs_000000000000_nope")],
+    "complete with a malformed header": lambda s: [complete(s, auth="Token abc")],
+    "complete foreign project": lambda s: [request(f"/v1/claims/{s.claim_id}/complete", b"{}", s.foreign_key)],
+    "complete bound key": lambda s: [request(f"/v1/claims/{s.claim_id}/complete", b"{}", s.bound_key)],
+    "complete read-only key": lambda s: [request(f"/v1/claims/{s.claim_id}/complete", b"{}", s.read_only_key)],
+    "complete accept html": lambda s: [complete(s, accept="text/html")],
+    "complete accept json": lambda s: [complete(s, accept="application/json")],
+    "fail": lambda s: [request(f"/v1/claims/{s.claim_id}/fail", b'{"error": {"why": "x"}}', s.key)],
+    "fail and retry": lambda s: [
+        request(f"/v1/claims/{s.claim_id}/fail", b'{"error": "x", "retry": true, "retryDelayMs": 10}', s.key)
+    ],
+    "fail negative delay": lambda s: [request(f"/v1/claims/{s.claim_id}/fail", b'{"retryDelayMs": -1}', s.key)],
+    "release": lambda s: [request(f"/v1/claims/{s.claim_id}/release", None, s.key)],
+    "release with a body": lambda s: [request(f"/v1/claims/{s.claim_id}/release", b"{nonsense", s.key)],
+    "release lost lease": lambda s: [request(f"/v1/claims/{lost(s)}/release", None, s.key)],
+    "renew": lambda s: [request(f"/v1/claims/{s.claim_id}/renew", b'{"leaseTtlMs": 60000}', s.key)],
+    "renew default": lambda s: [request(f"/v1/claims/{s.claim_id}/renew", b"{}", s.key)],
+    "renew too short": lambda s: [request(f"/v1/claims/{s.claim_id}/renew", b'{"leaseTtlMs": 5}', s.key)],
+    "renew after complete": lambda s: [complete(s), request(f"/v1/claims/{s.claim_id}/renew", b"{}", s.key)],
+    "claim": lambda s: [claims(s, {"runId": s.run_id, "workerId": "w2"})],
+    "claim two": lambda s: [claims(s, {"runId": s.run_id, "max": 2, "leaseTtlMs": 1000})],
+    "claim until empty": lambda s: [claims(s, {"runId": s.run_id, "max": 5}), claims(s, {"runId": s.run_id})],
+    "claim waitMs 0": lambda s: [claims(s, {"runId": s.run_id, "waitMs": 0})],
+    "claim unknown run": lambda s: [claims(s, {"runId": str(uuid.uuid4())})],
+    "claim foreign run": lambda s: [claims(s, {"runId": s.foreign_run_id})],
+    "claim malformed run": lambda s: [claims(s, {"runId": "x"})],
+    "claim unknown mailbox": lambda s: [
+        request("/v1/mailboxes/nope/claims", json.dumps({"runId": s.run_id}).encode(), s.key)
+    ],
+    "claim max 0": lambda s: [claims(s, {"runId": s.run_id, "max": 0})],
+    "claim bound key": lambda s: [claims(s, {"runId": s.run_id}, key=s.bound_key)],
+    "claim foreign key": lambda s: [claims(s, {"runId": s.run_id}, key=s.foreign_key)],
+    "claim not a dict": lambda s: [claims(s, b"[1, 2]")],
+    "submit": lambda s: [submit(s, {"runId": s.run_id, "input": {"a": [1, 2]}, "priority": 3})],
+    "submit with a key twice": lambda s: [
+        submit(s, {"runId": s.run_id, "key": "k"}),
+        submit(s, {"runId": s.run_id, "key": "k"}),
+    ],
+    "submit key conflict": lambda s: [
+        submit(s, {"runId": s.run_id, "key": "k", "input": 1}),
+        submit(s, {"runId": s.run_id, "key": "k", "input": 2}),
+    ],
+    "submit expired": lambda s: [submit(s, {"runId": s.run_id, "expiresAt": "2001-01-01T00:00:00Z"})],
+    "submit expiring": lambda s: [submit(s, {"runId": s.run_id, "expiresAt": "2100-01-01T00:00:00Z"})],
+    "submit bad attempts": lambda s: [submit(s, {"runId": s.run_id, "maxAttempts": 0})],
+    "submit unknown run": lambda s: [submit(s, {"runId": str(uuid.uuid4())})],
+    "submit foreign run": lambda s: [submit(s, {"runId": s.foreign_run_id})],
+    "submit without a run": lambda s: [submit(s, {"input": 1})],
+    "submit foreign key": lambda s: [submit(s, {"runId": s.run_id}, key=s.foreign_key)],
+    "submit bound key": lambda s: [submit(s, {"runId": s.run_id}, key=s.bound_key)],
+    "submit without a key": lambda s: [request("/v1/mailboxes/work/tasks", b"{}", None)],
+}
+
+# Values that differ between two fresh states by construction.
+_TIME = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+_ID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
+_PER_REQUEST_HEADERS = {"x-request-id", "date"}
+
+
+def normalized(answers: list[httpx.Response]) -> list[tuple]:
+    """Return (status, body, headers) of each answer with ids and times replaced, consistently across them."""
+    seen: dict[bytes, bytes] = {}
+
+    def placeholder(match) -> bytes:
+        return seen.setdefault(match[0], b"<id%d>" % len(seen))
+
+    out = []
+    for answer in answers:
+        body = _ID.sub(placeholder, _TIME.sub(b"<time>", answer.content))
+        headers = sorted(
+            (k, _ID.sub(placeholder, v.encode())) for k, v in answer.headers.items() if k not in _PER_REQUEST_HEADERS
+        )
+        out.append((answer.status_code, body, headers))
+    return out
+
+
+async def _send(requests) -> list[httpx.Response]:
+    from runstate_project.asgi import application
+
+    transport = httpx.ASGITransport(app=application)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            return [await client.post(path, content=body, headers=headers) for path, body, headers in requests]
+    finally:
+        await hot_db.close()
+
+
+def answered(settings, hot_on: bool, build) -> tuple[list[tuple], int]:
+    """Answer ``build(fresh state)``'s requests with the hot path on or off; return them and how many it served."""
+    settings.RUNSTATE_HOT_PATH = hot_on
+    # The application's first request turns the caches on with a LISTEN connection on its
+    # event loop, which ends with each asyncio.run here: serve them from this thread's again.
+    caches_on(settings)
+    requests = build(fresh_state())
+    before = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful"))
+    answers = asyncio.run(_send(requests))
+    served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful")) - before
+    return normalized(answers), served
+
+
+@pytest.fixture
+def api_process(settings, transactional_db):
+    """This process as a running API process: caches on, rate limit generous, no Celery wake-ups to send."""
+    caches_on(settings)
+    settings.RUNSTATE_RATE_LIMIT = "100000/min"
+    yield settings
+    process_cache.disable()
+
+
+# The cases the hot path answers itself (the rest it hands to DRF before anything).
+SERVED_BY_HOT = {
+    "complete",
+    "complete null outcome",
+    "complete accept json",
+    "fail",
+    "fail and retry",
+    "release",
+    "release with a body",
+    "renew",
+    "renew default",
+    "claim",
+    "claim two",
+    "claim waitMs 0",
+    "submit",
+    "submit expiring",
+    "submit expired",  # refused by the service's check, after the statement was built
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_hot_path_answers_what_drf_answers(api_process, case):
+    hot_answers, hot_served = answered(api_process, True, CASES[case])
+    drf_answers, drf_served = answered(api_process, False, CASES[case])
+    assert hot_answers == drf_answers
+    assert drf_served == 0
+    if case in SERVED_BY_HOT:
+        assert hot_served == len(hot_answers), "the hot path did not answer"
+
+
+def test_rate_limited_requests_are_answered_alike(api_process):
+    api_process.RUNSTATE_RATE_LIMIT = "2/min"
+
+    def build(state):
+        return [complete(state), request(f"/v1/claims/{state.claim_id}/renew", b"{}", state.key), complete(state)]
+
+    hot_answers, hot_served = answered(api_process, True, build)
+    drf_answers, _ = answered(api_process, False, build)
+    assert [status for status, _, _ in hot_answers] == [200, 409, 429]
+    assert hot_answers == drf_answers
+    # The 429 came from the hot path; the lost lease went to the view and was counted once.
+    assert hot_served == 2
+
+
+def test_a_request_the_hot_path_hands_to_the_view_is_counted_once(api_process):
+    api_process.RUNSTATE_RATE_LIMIT = "2/min"
+
+    def build(state):  # a lost lease (the view answers) then a valid complete: both within the limit
+        return [request(f"/v1/claims/{lost(state)}/complete", b"{}", state.key), complete(state)]
+
+    hot_answers, _ = answered(api_process, True, build)
+    assert [status for status, _, _ in hot_answers] == [409, 200]
+
+
+def test_the_switch_off_sends_everything_to_drf(api_process):
+    _, served = answered(api_process, False, CASES["complete"])
+    assert served == 0
+    _, served = answered(api_process, True, CASES["complete"])
+    assert served == 1
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=6,
+)
+
+
+def _bodies(fields: list[str]):
+    return st.dictionaries(st.sampled_from([*fields, "bogus"]), json_values, max_size=4) | json_values
+
+
+@hypothesis_settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_bodies(["outcome"]))
+def test_generated_complete_bodies_are_answered_alike(api_process, body):
+    def build(state):
+        return [complete(state, json.dumps(body).encode())]
+
+    assert answered(api_process, True, build)[0] == answered(api_process, False, build)[0]
+
+
+@hypothesis_settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_bodies(["runId", "workerId", "leaseTtlMs", "max", "waitMs"]), valid_run=st.booleans())
+def test_generated_claim_bodies_are_answered_alike(api_process, body, valid_run):
+    def build(state):
+        sent = dict(body, runId=state.run_id) if valid_run and isinstance(body, dict) else body
+        return [claims(state, json.dumps(sent).encode())]
+
+    assert answered(api_process, True, build)[0] == answered(api_process, False, build)[0]
+
+
+def test_a_request_that_finds_no_pooled_connection_is_answered_by_the_view(api_process):
+    api_process.RUNSTATE_HOT_POOL_SIZE = 1
+    caches_on(api_process)
+    state = fresh_state()
+    path, body, headers = complete(state)
+
+    async def scenario():
+        from runstate_project.asgi import application
+
+        transport = httpx.ASGITransport(app=application)
+        try:
+            async with (await hot_db.pool()).connection():  # the pool's only connection, held
+                async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+                    return await client.post(path, content=body, headers=headers)
+        finally:
+            await hot_db.close()
+
+    careful = hot.SERVED["careful"]
+    answer = asyncio.run(scenario())
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["state"] == "SUCCEEDED"
+    assert hot.SERVED["careful"] == careful + 1
