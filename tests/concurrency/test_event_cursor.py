@@ -17,7 +17,7 @@ from coordination.models import Event
 from coordination.selectors import Visibility, event_head, event_list
 from coordination.services.keys import project_ensure
 from coordination.services.runs import run_create
-from tests.concurrency.util import run_in_threads
+from tests.concurrency.util import read_events_until, run_in_threads
 
 WRITERS = 8
 WRITES_PER_WRITER = 25
@@ -44,15 +44,7 @@ def test_reader_sees_every_event_exactly_once_with_8_concurrent_writers():
                 time.sleep(rng.uniform(0, 0.01))
 
     def reader():
-        seen, cursor = [], None
-        while True:
-            finished = done.is_set()
-            events, cursor = event_list(visibility, after=cursor, limit=7)
-            seen += [e.id for e in events]
-            if finished and not events:
-                return seen
-            if not events:
-                time.sleep(0.001)
+        return read_events_until(done, visibility)
 
     def writers_then_signal():
         run_in_threads([writer] * WRITERS)

@@ -201,3 +201,22 @@ def force_order(first: Callable[[], object], second: Callable[[], object]) -> tu
     if errors:
         raise errors[0]
     return results["first"], results["second"]
+
+
+def read_events_until(done: threading.Event, visibility, *, limit: int = 7) -> list[int]:
+    """Page through the event log by cursor until ``done`` is set and a page comes back empty; return the ids read.
+
+    ``done`` is read before each page, so a page read after the last write has committed
+    comes back empty only once every event has been read.
+    """
+    from coordination.selectors import event_list
+
+    seen, cursor = [], None
+    while True:
+        finished = done.is_set()
+        events, cursor = event_list(visibility, after=cursor, limit=limit)
+        seen += [e.id for e in events]
+        if finished and not events:
+            return seen
+        if not events:
+            time.sleep(0.001)

@@ -30,7 +30,7 @@ from coordination.services.event_partitions import (
 from coordination.services.events import EVENT_COLUMNS, event_row, events_prune, events_record_many
 from coordination.services.keys import project_ensure
 from coordination.services.runs import run_create
-from tests.concurrency.util import rounds, run_in_threads
+from tests.concurrency.util import read_events_until, rounds, run_in_threads
 from workers.tasks import prune_events
 
 BEFORE = ("coordination", "0015_project_staff_groups")
@@ -210,15 +210,7 @@ def test_the_cursor_skips_no_event_across_a_partition_boundary(drop_new_partitio
                 time.sleep(rng.uniform(0, 0.01))
 
     def reader():
-        seen, cursor = [], None
-        while True:
-            finished = done.is_set()
-            events, cursor = event_list(visibility, after=cursor, limit=7)
-            seen += [e.id for e in events]
-            if finished and not events:
-                return seen
-            if not events:
-                time.sleep(0.001)
+        return read_events_until(done, visibility)
 
     def writers_then_signal():
         run_in_threads([writer] * WRITERS)
