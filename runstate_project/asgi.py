@@ -37,6 +37,8 @@ from django.core.handlers.exception import response_for_exception
 from django.http import Http404
 from django.urls import URLResolver, get_resolver, set_script_prefix
 
+from runstate_project.tracing import setup_tracing
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
 
 API_PREFIX = "/v1/"
@@ -202,6 +204,7 @@ def _route(api, site):
     return app
 
 
+setup_tracing("api")  # before Django loads its middleware: the Django instrumentation adds one
 site = get_asgi_application()  # sets Django up
 from coordination.api import edge  # noqa: E402 - its models need Django set up
 

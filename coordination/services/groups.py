@@ -34,6 +34,7 @@ from coordination.states import (
     TaskState,
     Verdict,
 )
+from coordination.tracing import NO_TRACE, TraceContext
 
 
 @dataclass
@@ -318,11 +319,13 @@ def group_submit(
     priority: int = 0,
     max_attempts: int | None = None,
     expires_at: datetime | None = None,
+    trace: TraceContext = NO_TRACE,
 ) -> tuple[Task, bool, TaskGroup]:
     """Submit a new member on the gate; return it, whether it was created, and the group.
 
-    The same key and input answer the existing member, even after close. The submit that
-    reaches ``expectedMembers`` closes the group in this transaction.
+    ``trace`` is the submitter's W3C context, stored on the task. The same key and input
+    answer the existing member, even after close. The submit that reaches ``expectedMembers``
+    closes the group in this transaction.
     """
     from coordination.services.tasks import task_insert
 
@@ -352,6 +355,7 @@ def group_submit(
         expires_at=expires_at,
         group=group,
         now=now,
+        trace=trace,
     )
     _add_member(locked, task, now)
     group_evaluate(locked, now)

@@ -49,6 +49,7 @@ class AsyncHttp:
         json: JsonDict | None = None,
         params: Params | None = None,
         wait_ms: int = 0,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """Send one call and return its decoded JSON answer; raise the mapped error otherwise.
 
@@ -59,7 +60,9 @@ class AsyncHttp:
         retries = 0
         while True:
             try:
-                response = await self._client.request(method, path, json=json, params=params, timeout=timeout)
+                response = await self._client.request(
+                    method, path, json=json, params=params, timeout=timeout, headers=headers
+                )
             except httpx.TransportError as exc:
                 if not idempotent or retries >= self.config.max_retries:
                     raise TransportError(f"{method} /v1{path}: {type(exc).__name__}: {exc}") from exc
