@@ -17,6 +17,7 @@ import httpx
 
 from runstate._config import MAX_SERVER_WAIT_MS, RETRYABLE_STATUS, ClientConfig, JsonDict
 from runstate._errors import TransportError, error_from_response, retry_after_seconds
+from runstate._tracing import current_headers
 
 Params = Mapping[str, str | int]
 
@@ -57,6 +58,8 @@ class AsyncHttp:
         timeout is extended by that much.
         """
         timeout = httpx.Timeout(self.config.timeout + wait_ms / 1000, connect=self.config.connect_timeout)
+        if headers is None:
+            headers = current_headers()  # the caller's span, if any: a cancel's span is its child
         retries = 0
         while True:
             try:
