@@ -55,6 +55,11 @@ class TraceContext:
     def __bool__(self) -> bool:
         return bool(self.traceparent)
 
+    @property
+    def trace_id(self) -> str:
+        """Return the trace id (32 hex digits), or an empty string when there is no context."""
+        return self.traceparent.split("-")[1] if self.traceparent else ""
+
 
 NO_TRACE = TraceContext()
 
@@ -100,6 +105,18 @@ def span(
         name, context=context, kind=kind, attributes=_attributes(operation, mailbox, attributes)
     ) as current:
         yield current
+
+
+def record_span(name: str, *, started_ns: int | None = None, **attributes: Any) -> None:
+    """Record a span of something already done (from ``started_ns``, ``time.time_ns()``, to now), when tracing.
+
+    For what is worth a span only once it happened: a sweep that fired timers, an arrival
+    that released a barrier.
+    """
+    if not tracing_on():
+        return
+    tracer = trace.get_tracer(TRACER_NAME)
+    tracer.start_span(name, start_time=started_ns, attributes=_attributes(None, None, attributes)).end()
 
 
 def annotate(current: Any, **attributes: Any) -> None:

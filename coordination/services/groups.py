@@ -34,7 +34,7 @@ from coordination.states import (
     TaskState,
     Verdict,
 )
-from coordination.tracing import NO_TRACE, TraceContext
+from coordination.tracing import NO_TRACE, TraceContext, span
 
 
 @dataclass
@@ -169,7 +169,13 @@ def group_evaluate(locked: LockedGroup, now: datetime | None = None, members: li
 
 
 def _finalize(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: datetime) -> None:
-    """Record the decision, cancel the gate and every unfinished member: one transaction."""
+    """Record the decision, cancel the gate and every unfinished member: one transaction (one span)."""
+    group = locked.group
+    with span("finalize group", group_id=group.id, run_id=locked.gate.id, outcome=outcome, reason=reason):
+        _finalize_in_span(locked, outcome, reason, now)
+
+
+def _finalize_in_span(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: datetime) -> None:
     from coordination.services.tasks import tasks_cancel_group_members
 
     group, gate = locked.group, locked.gate
