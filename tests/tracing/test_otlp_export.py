@@ -1,74 +1,26 @@
 """The OTLP/HTTP exporter over a real socket: a small receiver decodes what a cancel exported.
 
-The receiver is an HTTP server in this process that accepts ``POST /v1/traces`` and decodes
-the body with ``opentelemetry-proto``, as a collector would. The cancel runs through the API
+The receiver (``conftest.Receiver``) is an HTTP server in this process that decodes each
+``POST /v1/traces`` with ``opentelemetry-proto``, as a collector would. The cancel runs through the API
 (in this process, httpx's ASGI transport) with the caller's ``traceparent``.
 """
 
 import asyncio
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from runstate import AsyncRunstate
-from tests.tracing.conftest import reset_tracing_globals
+from tests.tracing.conftest import attributes, reset_tracing_globals
 from tests.tracing.test_work_trace import CALLER_SPAN_ID, CALLER_TRACE_ID, TRACEPARENT
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class Receiver(ThreadingHTTPServer):
-    """An OTLP/HTTP receiver: keeps every span of every export request it is sent."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.spans: list = []
-        self.resources: list = []
-        self.paths: list[str] = []
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1/traces"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802 - the http.server convention
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(body)
-        self.server.paths.append((self.path, self.headers["Content-Type"]))
-        for resource_spans in request.resource_spans:
-            self.server.resources.append(resource_spans.resource)
-            for scope_spans in resource_spans.scope_spans:
-                self.server.spans.extend(scope_spans.spans)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def receiver():
-    server = Receiver()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
@@ -82,15 +34,6 @@ def otlp_provider(receiver):
     finally:
         provider.shutdown()
         reset_tracing_globals()
-
-
-def attributes(span) -> dict:
-    """Decode a protobuf span's attributes to a dict of plain values."""
-    decoded = {}
-    for item in span.attributes:
-        value = item.value
-        decoded[item.key] = getattr(value, value.WhichOneof("value"))
-    return decoded
 
 
 def test_a_cancel_exports_its_span_with_the_counts_of_its_cascade(otlp_provider, receiver):
