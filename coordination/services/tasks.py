@@ -77,7 +77,8 @@ def task_submit(
     is ``KEY_CONFLICT``. A task submitted to a group's gate in the group's mailbox is a
     member of that group, so it is submitted through the group. On PostgreSQL one statement
     locks the chain, inserts the task and its event; when it inserts nothing (an inactive
-    chain, a group's gate, a key already used) the careful path answers.
+    chain, a group's gate, a key already used) the careful path answers. ``trace`` is the
+    submitter's W3C context, stored on the task (a resubmit answers the first one's task).
     """
     spec = TaskSpec(input=input, key=key, priority=priority, max_attempts=max_attempts, expires_at=expires_at)
     now = timezone.now()
