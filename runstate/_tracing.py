@@ -23,7 +23,7 @@ span under it. Names and attributes follow OpenTelemetry's messaging conventions
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,7 +47,7 @@ _provider: Any = None  # the provider ``configure`` made, if it made one
 # Setup ---------------------------------------------------------------------------------
 
 
-def tracing_requested(environ: dict[str, str] | None = None) -> bool:
+def tracing_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Return whether the ``OTEL_*`` variables ask for traces to be exported (see the module's doc)."""
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -58,7 +58,7 @@ def tracing_requested(environ: dict[str, str] | None = None) -> bool:
     return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
-def configure(default_service_name: str, environ: dict[str, str] | None = None) -> Any:
+def configure(default_service_name: str, environ: Mapping[str, str] | None = None) -> Any:
     """Set up a tracer provider from the ``OTEL_*`` variables, once per process; return it (None when off).
 
     Nothing is created when tracing is not requested, or when ``opentelemetry-sdk`` is not
