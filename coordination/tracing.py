@@ -18,9 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import ProxyTracerProvider, SpanKind
+from opentelemetry.trace import SpanKind
 
-from runstate._tracing import MAX_TRACESTATE_CHARS, TRACER_NAME, current_headers, parent_context, valid_traceparent
+from runstate._tracing import (
+    MAX_TRACESTATE_CHARS,
+    TRACER_NAME,
+    current_headers,
+    parent_context,
+    tracing_on,
+    valid_traceparent,
+)
 
 __all__ = ["NO_TRACE", "SpanKind", "TraceContext", "annotate", "span", "tracing_on"]
 
@@ -62,11 +69,6 @@ class TraceContext:
 
 
 NO_TRACE = TraceContext()
-
-
-def tracing_on() -> bool:
-    """Return whether this process has a tracer provider (one that may record spans)."""
-    return not isinstance(trace.get_tracer_provider(), ProxyTracerProvider)
 
 
 def _attributes(operation: str | None, mailbox: str | None, values: dict[str, Any]) -> dict[str, Any]:

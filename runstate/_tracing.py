@@ -153,6 +153,11 @@ def _tracer() -> Any:
     return trace.get_tracer(TRACER_NAME)
 
 
+def tracing_on() -> bool:
+    """Return whether this process has a tracer provider (one that may record spans): a global lookup."""
+    return trace is not None and not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
 # The spans of a piece of work ----------------------------------------------------------
 
 
@@ -163,8 +168,8 @@ def send_span(mailbox: str, *, run_id: str | None, operation_name: str = "send")
     When nothing records spans, the headers carry the current span's context (an
     application's own), if any.
     """
-    if trace is None:
-        yield {}
+    if not tracing_on():
+        yield current_headers()
         return
     span = _tracer().start_span(
         f"{operation_name} {mailbox}",
@@ -233,7 +238,7 @@ def process_span(
     group_id: str | None = None,
 ) -> ProcessSpan:
     """Start the ``process`` span of a claimed task: a child of the submitter's span when the claim carries one."""
-    if trace is None:
+    if not tracing_on():
         return ProcessSpan(None)
     span = _tracer().start_span(
         f"process {mailbox}",
