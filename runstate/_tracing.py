@@ -23,6 +23,7 @@ span under it. Names and attributes follow OpenTelemetry's messaging conventions
 
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -30,7 +31,16 @@ from typing import Any
 try:
     from opentelemetry import context as otel_context
     from opentelemetry import trace
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+    from opentelemetry.trace import (
+        Link,
+        NonRecordingSpan,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TraceFlags,
+        TraceState,
+    )
 except ImportError:  # pragma: no cover - exercised by the SDK's no-otel test in a venv of its own
     trace = None  # type: ignore[assignment]
 
@@ -126,17 +136,22 @@ def current_headers() -> dict[str, str]:
     return _header_of(span_context) if span_context.is_valid else {}
 
 
-def parent_context(traceparent: str | None, tracestate: str | None = None) -> Any:
-    """Return an OpenTelemetry context whose span is the remote one ``traceparent`` names (None if it names none)."""
+def _remote_span_context(traceparent: str | None, tracestate: str | None = None) -> Any:
+    """Return the remote span context ``traceparent`` names (None if it names none)."""
     if trace is None or not valid_traceparent(traceparent):
         return None
     assert traceparent is not None
     _, trace_id, span_id, flags = traceparent.split("-")[:4]
     state = TraceState.from_header([tracestate]) if tracestate else None
-    span_context = SpanContext(
+    return SpanContext(
         int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16)), trace_state=state
     )
-    return trace.set_span_in_context(NonRecordingSpan(span_context))
+
+
+def parent_context(traceparent: str | None, tracestate: str | None = None) -> Any:
+    """Return an OpenTelemetry context whose span is the remote one ``traceparent`` names (None if it names none)."""
+    span_context = _remote_span_context(traceparent, tracestate)
+    return trace.set_span_in_context(NonRecordingSpan(span_context)) if span_context is not None else None
 
 
 def _attributes(operation: str, mailbox: str | None, **runstate: Any) -> dict[str, Any]:
@@ -181,6 +196,31 @@ def send_span(mailbox: str, *, run_id: str | None, operation_name: str = "send")
         return
     with trace.use_span(span, end_on_exit=True, record_exception=True, set_status_on_exception=True):
         yield _header_of(span.get_span_context())
+
+
+def receive_started() -> int:
+    """Return the time a claim or receive call starts, for ``record_receive`` (0 when nothing traces)."""
+    return time.time_ns() if tracing_on() else 0
+
+
+def record_receive(mailbox: str, *, run_id: str | None, started_ns: int, items: list[Any]) -> None:
+    """Record the ``receive`` span of a claim (or receive) call that handed out ``items``, linked to their senders.
+
+    A call that handed out nothing (a long-poll that ran out) leaves no span.
+    """
+    if not started_ns or not items or not tracing_on():
+        return
+    links = []
+    for item in items:
+        sender = _remote_span_context(item.get("traceparent"), item.get("tracestate"))
+        if sender is not None:
+            links.append(Link(sender))
+    attributes = _attributes("receive", mailbox, run_id=run_id)
+    attributes["messaging.batch.message_count"] = len(items)
+    span = _tracer().start_span(
+        f"receive {mailbox}", kind=SpanKind.CLIENT, start_time=started_ns, links=links, attributes=attributes
+    )
+    span.end()
 
 
 def annotate_task(task: Any) -> None:

@@ -17,7 +17,7 @@ from runstate._batch import (
 )
 from runstate._config import JsonDict, compact, parse_time, segment
 from runstate._errors import RunstateError
-from runstate._tracing import annotate_task, send_span
+from runstate._tracing import annotate_task, receive_started, record_receive, send_span
 
 if TYPE_CHECKING:
     from runstate._async.hold import AsyncHold
@@ -291,13 +291,15 @@ class AsyncTasks:
         Never retried: a lost answer's claims are taken over once their lease expires.
         """
         wait = min(wait_ms, 30_000)
+        run_id, started_ns = self._run("claim"), receive_started()
         answer: JsonDict = await self._http.request(
             "POST",
             f"/mailboxes/{segment(mailbox)}/claims",
             idempotent=False,
-            json=compact(runId=self._run("claim"), max=max, waitMs=wait, leaseTtlMs=lease_ttl_ms, workerId=worker_id),
+            json=compact(runId=run_id, max=max, waitMs=wait, leaseTtlMs=lease_ttl_ms, workerId=worker_id),
             wait_ms=wait,
         )
+        record_receive(mailbox, run_id=run_id, started_ns=started_ns, items=answer["claims"])
         return [AsyncClaim(self._http, claim) for claim in answer["claims"]]
 
     async def complete_many(self, items: Iterable[tuple[AsyncClaim | str, Any]]) -> list[ClaimResult]:
@@ -370,13 +372,15 @@ class AsyncMessages:
         Never retried: a lost answer's messages are delivered again once their visibility runs out.
         """
         wait = min(wait_ms, 30_000)
+        run_id, started_ns = self._run("receive"), receive_started()
         answer: JsonDict = await self._http.request(
             "POST",
             f"/mailboxes/{segment(mailbox)}/deliveries",
             idempotent=False,
-            json=compact(runId=self._run("receive"), max=max, visibilityMs=visibility_ms, waitMs=wait),
+            json=compact(runId=run_id, max=max, visibilityMs=visibility_ms, waitMs=wait),
             wait_ms=wait,
         )
+        record_receive(mailbox, run_id=run_id, started_ns=started_ns, items=answer["deliveries"])
         return [AsyncDelivery(self._http, delivery) for delivery in answer["deliveries"]]
 
     async def retrieve(self, message_id: str) -> JsonDict:

@@ -136,6 +136,49 @@ def test_the_sdk_submit_is_the_root_of_the_trace_and_a_claim_answers_its_context
     assert server_send.parent.span_id == sdk_send.context.span_id
     assert server_send.context.trace_id == caller.get_span_context().trace_id
     trace_id = format(caller.get_span_context().trace_id, "032x")
+    receive = one(finished, "receive sdk-traced")
+    assert receive.attributes["messaging.operation.type"] == "receive"
+    assert receive.attributes["messaging.batch.message_count"] == 1
+    assert [link.context.span_id for link in receive.links] == [server_send.context.span_id]
     flags = int(server_send.context.trace_flags)
     assert claim.data["traceparent"] == f"00-{trace_id}-{server_send.context.span_id:016x}-{flags:02x}"
     assert claim.data["tracestate"] is None
+
+
+def test_a_message_sent_in_a_span_is_processed_and_settled_in_the_same_trace(spans, api_key):
+    inside: list = []
+
+    async def scenario():
+        async with client(api_key) as rs:
+            await rs.mailboxes.ensure("traced-queue", mode="QUEUE")
+            run = await rs.scopes.create(name="messages")
+            with trace.get_tracer("test").start_as_current_span("the sender") as sender:
+                message = await run.messages.send("traced-queue", {"hello": 1})
+            done = asyncio.Event()
+
+            async def handler(ctx):
+                inside.append(trace.get_current_span().get_span_context())
+                done.set()
+
+            worker = run.message_worker("traced-queue", handler, handle_signals=False, receive_wait_ms=1000)
+            running = asyncio.create_task(worker.run())
+            await asyncio.wait_for(done.wait(), 30)
+            worker.stop()
+            await asyncio.wait_for(running, 30)
+            return sender, message
+
+    sender, message = asyncio.run(scenario())
+    finished = spans.get_finished_spans()
+    sdk_send, server_send = sorted(by_name(finished, "send traced-queue"), key=lambda span: span.start_time)
+    process = one(finished, "process traced-queue")
+    settle = one(finished, "settle traced-queue")
+    assert sdk_send.parent.span_id == sender.get_span_context().span_id
+    assert server_send.parent.span_id == sdk_send.context.span_id
+    assert server_send.attributes["runstate.message_id"] == message["id"]
+    assert process.parent.span_id == server_send.context.span_id
+    assert process.context.trace_id == sender.get_span_context().trace_id
+    assert process.attributes["runstate.message_id"] == message["id"]
+    assert process.attributes["runstate.attempt"] == 1
+    assert inside[0].span_id == process.context.span_id
+    assert settle.parent.span_id == process.context.span_id
+    assert settle.attributes["runstate.outcome"] == "completed"
