@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.throughput [--tasks N] [--workers 4[,8]] [--modes unbatched,batched]
                                          [--no-http] [--http-processes 2] [--no-sdk] [--no-pgqueuer]
-                                         [--json PATH] [--record]
+                                         [--tracing] [--json PATH] [--record]
 
 For each worker count W (4 unless ``--workers`` says otherwise) it measures, in this order
 and never overlapping:
@@ -16,7 +16,9 @@ and never overlapping:
   worker processes (2), driven by W threads with keep-alive ``httpx.Client``s, per
   ``--http-modes``: *unbatched* (one submit per task, claims of ``--batch``, one complete
   per claim) and *batched* (the batch endpoints: submits of 100, claims of 50, completes of
-  50, as ``--batched-sizes``);
+  50, as ``--batched-sizes``); with ``--tracing``, the unbatched one again on a second server
+  with tracing on (``OTEL_TRACES_SAMPLER=always_on``, the batch span processor, OTLP/HTTP to a
+  local receiver that discards), right after the untraced one (``http_unbatched_tracing``);
 * baseline: ``pgbench -N -c W -j W -T 15`` against the same PostgreSQL server.
 
 With the HTTP server up, once: the server's CPU per unbatched request of each kind (submit,
@@ -78,6 +80,8 @@ BATCHED_DRAIN_TARGET = 1.0
 # Issue 15, same run: the batched HTTP pipeline and the SDK consume drain against pgbench -N
 # TPS; server (uvicorn) CPU per unbatched request, in milliseconds.
 HTTP_BATCHED_PIPELINE_TARGET = 0.25
+# Issue 29: the unbatched HTTP pipeline with tracing on (100% sampled, OTLP) keeps this much of it off.
+TRACING_TARGET = 0.7
 SDK_DRAIN_TARGET = 0.25
 REQUEST_CPU_MS_TARGETS = {"submit": 3.0, "complete": 2.0}
 MAILBOX = "bench"
@@ -869,11 +873,14 @@ class UvicornServer:
     the event loop and the HTTP parser (uvloop and httptools, from ``uvicorn[standard]``).
     """
 
-    def __init__(self, processes: int = 1) -> None:
+    def __init__(
+        self, processes: int = 1, extra_env: dict[str, str] | None = None, name: str = "bench-uvicorn"
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.processes = processes
-        self.log_path = ROOT / "var" / "bench-uvicorn.log"
+        self.extra_env = extra_env or {}
+        self.log_path = ROOT / "var" / f"{name}.log"
 
     def __enter__(self) -> UvicornServer:
         import httpx
@@ -884,7 +891,8 @@ class UvicornServer:
         if self.processes > 1:
             options += ["--workers", str(self.processes)]
         command = [sys.executable, "-m", "uvicorn", "runstate_project.asgi:application", *options]
-        self.process = subprocess.Popen(command, cwd=ROOT, env=bench_environment(), stdout=self._log, stderr=self._log)
+        env = bench_environment() | self.extra_env
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self._log, stderr=self._log)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -907,6 +915,51 @@ class UvicornServer:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+class DiscardingOtlpReceiver:
+    """An OTLP/HTTP endpoint on a free local port that reads each export and discards it (``--tracing``).
+
+    What a collector costs the exporter (a request per batch, answered 200) without keeping
+    anything; it counts the bytes it was sent, for the record.
+    """
+
+    def __enter__(self) -> DiscardingOtlpReceiver:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the http.server convention
+                receiver.received_bytes += len(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                receiver.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.received_bytes = 0
+        self.requests = 0
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def tracing_env(endpoint: str) -> dict[str, str]:
+    """Return the ``OTEL_*`` variables of a traced API server: every trace sampled, OTLP to ``endpoint``."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_SERVICE_NAME": "runstate-bench",
+    }
 
 
 def _checked(response: Any) -> dict:
@@ -1586,6 +1639,7 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
         "service_batched": rates("service batched"),
         "http_unbatched": rates("http unbatched"),
         "http_batched": rates("http batched"),
+        "http_unbatched_tracing": rates("http unbatched tracing"),
         "sdk_consume_drain_per_s": round(run.sdk_drain.drain_rate, 1) if run.sdk_drain else None,
         "server_cpu_ms": {op: round(ms, 3) for op, ms in costs.uvicorn_ms.items()} if costs else None,
         "pgbench_tps": round(tps, 1) if tps else None,
@@ -1633,6 +1687,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--service", action=argparse.BooleanOptionalAction, default=True, help="run the service-layer scenario"
     )
     parser.add_argument("--http", action=argparse.BooleanOptionalAction, default=True, help="run the HTTP scenario")
+    parser.add_argument(
+        "--tracing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run the unbatched HTTP pipeline on a server with tracing on (100%% sampled, OTLP to a local sink)",
+    )
     parser.add_argument("--http-processes", type=int, default=2, help="uvicorn worker processes (2)")
     parser.add_argument("--http-modes", default="unbatched,batched", help="HTTP scenarios to run (unbatched,batched)")
     parser.add_argument(
@@ -1753,10 +1813,14 @@ def main(argv: list[str] | None = None) -> int:
     pgbench_results: dict[int, PgbenchResult] = {}
     details: list[str] = []
     server = UvicornServer(args.http_processes) if args.http else None
+    sink = DiscardingOtlpReceiver().__enter__() if args.http and args.tracing else None
+    traced = UvicornServer(args.http_processes, tracing_env(sink.url), "bench-uvicorn-tracing") if sink else None
     costs: RequestCosts | None = None
     sdk_drain: SdkDrain | None = None
     if server:
         server.__enter__()
+    if traced:
+        traced.__enter__()
     try:
         if server:
             print(f"\nserver CPU per request: {args.cost_calls} of each kind, one at a time ...", flush=True)
@@ -1779,6 +1843,14 @@ def main(argv: list[str] | None = None) -> int:
                 for line in scenario_lines(result):
                     print("  " + line)
                     details.append(f"HTTP {http_mode} W={workers}: {line}")
+                if traced and http_mode == "unbatched":
+                    print(f"W={workers}: HTTP unbatched, tracing on, {args.http_tasks} tasks ...", flush=True)
+                    traced_result = run_http_scenario(traced, args.http_tasks, workers, http_mode, sizes)
+                    traced_result.mode = "http unbatched tracing"
+                    results.append(traced_result)
+                    for line in scenario_lines(traced_result):
+                        print("  " + line)
+                        details.append(f"HTTP unbatched tracing W={workers}: {line}")
 
             if pgbench:
                 print(f"W={workers}: pgbench -N -c {workers} -j {workers} -T {args.pgbench_seconds} ...", flush=True)
@@ -1803,6 +1875,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server:
             server.__exit__()
+        if traced:
+            traced.__exit__()
+        if sink:
+            sink.__exit__()
+            details.append(f"tracing: {sink.requests} OTLP exports, {sink.received_bytes / 1e6:.1f} MB, discarded")
     peer = None
     if args.pgqueuer:
         print(
@@ -1909,6 +1986,14 @@ def http_verdicts(
         return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
 
     lines = []
+    untraced = {r.workers: r for r in results if r.mode == "http unbatched"}
+    for r in results:
+        plain = untraced.get(r.workers)
+        if r.mode == "http unbatched tracing" and plain is not None:
+            lines.append(
+                f"W={r.workers}: HTTP unbatched pipeline with tracing on {r.pipeline_rate:.0f} tasks/s vs off "
+                f"{plain.pipeline_rate:.0f} tasks/s = " + verdict(r.pipeline_rate / plain.pipeline_rate, TRACING_TARGET)
+            )
     for r in results:
         tps = baselines.get(r.workers)
         if r.mode != "http batched" or tps is None:

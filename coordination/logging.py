@@ -3,7 +3,8 @@
 ``RequestContextMiddleware`` takes the caller's ``X-Request-ID`` (or makes one), keeps it
 in a context variable for the request's duration, answers it in the ``X-Request-ID``
 response header, counts the request for ``/v1/metrics`` and logs one line per request.
-``JsonFormatter`` writes every log record as one JSON object with that ``requestId``.
+``JsonFormatter`` writes every log record as one JSON object with that ``requestId`` and, when a
+span is active (``coordination.tracing``), its ``trace_id`` and ``span_id``.
 
 No API key reaches a log in plaintext, wherever a caller put it (a query string, the path,
 an odd header): ``redact`` masks the secret of anything shaped like a key and the value of
@@ -29,6 +30,7 @@ import uuid
 from datetime import UTC, datetime
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from opentelemetry import trace
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # An API key is ``rs_<12 hex prefix>_<secret>``; the prefix names the key, the rest is secret.
@@ -144,6 +146,10 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None) or request_id_var.get()
         if request_id:
             body["requestId"] = request_id
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid:
+            body["trace_id"] = format(span_context.trace_id, "032x")
+            body["span_id"] = format(span_context.span_id, "016x")
         for key, value in vars(record).items():
             if key not in _RECORD_FIELDS and not key.startswith("_"):
                 body[key] = cut(value) if isinstance(value, str) else value

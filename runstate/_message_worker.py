@@ -27,6 +27,7 @@ from runstate._async.work import AsyncDelivery, AsyncMessages
 from runstate._config import JsonDict
 from runstate._errors import LeaseLostError, NotFoundError, RunstateError, ScopeInactiveError, TransportError
 from runstate._loop import MIN_RENEW_INTERVAL_S, TRANSIENT, FetchLoop, Held
+from runstate._tracing import ProcessSpan, in_span, leave, process_span
 from runstate._worker import _HandlerContext, _sigterm_stops
 
 logger = logging.getLogger("runstate.worker")
@@ -116,6 +117,7 @@ class _Held(Held[_MessageContextBase]):
         super().__init__(ctx)
         self.delivery = delivery
         self.visible_until = monotonic()  # when the visibility runs out at the latest, by this process's clock
+        self.trace = ProcessSpan(None)  # the handler's ``process`` span (a child of the sender's)
 
 
 class MessageEngine(FetchLoop[MessageSummary]):
@@ -183,10 +185,22 @@ class MessageEngine(FetchLoop[MessageSummary]):
     def _start(self, delivery: AsyncDelivery) -> None:
         held = _Held(delivery, self._make_context(delivery))
         held.visible_until = monotonic() + self._visibility_ms / 1000
-        held.handler = asyncio.ensure_future(self._start_handler(held.ctx))
-        held.handler.add_done_callback(self._slot_freed)
-        self._held[delivery.id] = held
-        held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-message-{delivery.message_id}")
+        held.trace = process_span(
+            self.mailbox,
+            traceparent=delivery.data.get("traceparent"),
+            tracestate=delivery.data.get("tracestate"),
+            run_id=self.run_id,
+            message_id=delivery.message_id,
+            attempt=delivery.attempt,
+        )
+        token = in_span(held.trace.context)  # the handler and its supervisor run in the span
+        try:
+            held.handler = asyncio.ensure_future(self._start_handler(held.ctx))
+            held.handler.add_done_callback(self._slot_freed)
+            self._held[delivery.id] = held
+            held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-message-{delivery.message_id}")
+        finally:
+            leave(token)
 
     def _lose(self, held: _Held, reason: str) -> None:
         """Mark the delivery lost: trip the context and cancel the handler (its result can no longer count)."""
@@ -239,10 +253,12 @@ class MessageEngine(FetchLoop[MessageSummary]):
                     await self._answer(held, held.delivery.retry(self.retry_delay_ms), "retried")
                 return
             except Reject as reject:
+                held.trace.fail(reject)
                 await self._stop_keeping(keeper)
                 await self._answer(held, held.delivery.reject(reject.reason), "rejected")
                 return
             except Exception as exc:  # noqa: BLE001 - the handler's failure puts the message back
+                held.trace.fail(exc)
                 await self._stop_keeping(keeper)
                 logger.warning("message %s attempt %d failed: %r", held.delivery.message_id, held.ctx.attempt, exc)
                 await self._answer(held, held.delivery.retry(self.retry_delay_ms), "retried")
@@ -251,6 +267,7 @@ class MessageEngine(FetchLoop[MessageSummary]):
             await self._answer(held, held.delivery.complete(), "completed")
         finally:
             await self._stop_keeping(keeper)
+            held.trace.end()
             self._held.pop(held.delivery.id, None)
             if self._changed is not None:
                 self._changed.set()
@@ -267,7 +284,8 @@ class MessageEngine(FetchLoop[MessageSummary]):
             self.summary.lost += 1
             return
         try:
-            await call
+            with held.trace.settle(self.mailbox, outcome=counter):
+                await call
         except (LeaseLostError, ScopeInactiveError, NotFoundError) as exc:
             logger.info("message %s: answer refused (%s)", held.delivery.message_id, exc.code)
             held.ctx._trip("scope_refused" if isinstance(exc, ScopeInactiveError) else "lease_lost", lost=True)

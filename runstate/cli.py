@@ -29,6 +29,7 @@ from runstate._async.client import AsyncRunstate
 from runstate._config import DEFAULT_URL, JsonDict
 from runstate._errors import RunstateError
 from runstate._sync.client import Runstate
+from runstate._tracing import configure as configure_tracing
 from runstate._worker import is_async_callable
 
 logger = logging.getLogger("runstate.cli")
@@ -101,6 +102,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.grace_s < 0:
         raise ConfigError("--grace-s must be >= 0")
     options = _client_options(args)
+    configure_tracing("runstate-worker")
     kind = "queue" if args.queue else "work"
     logger.info(
         "worker %s on run %s, %s mailbox %r, concurrency %d (pid %d)",
@@ -275,6 +277,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         raise ConfigError(f"needs the mcp package: pip install 'runstate[mcp]' ({exc})") from exc
     if args.url:
         os.environ["RUNSTATE_URL"] = args.url
+    configure_tracing("runstate-mcp")
     if args.http is None:
         if args.api_key:
             os.environ["RUNSTATE_API_KEY"] = args.api_key

@@ -43,6 +43,8 @@ from django.db import close_old_connections
 from django.http import Http404
 from django.urls import URLResolver, get_resolver, set_script_prefix
 
+from runstate_project.tracing import setup_tracing
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
 
 API_PREFIX = "/v1/"
@@ -344,6 +346,7 @@ def _route(api, site):
     return app
 
 
+setup_tracing("api")  # before Django loads its middleware: the Django instrumentation adds one
 site = get_asgi_application()  # sets Django up
 from coordination.api import edge, longpoll  # noqa: E402 - its models need Django set up
 from coordination.api.hot import HotRouter  # noqa: E402 - as edge

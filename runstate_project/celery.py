@@ -36,6 +36,25 @@ def _refuse_unsafe_database_routes(sender=None, **kwargs) -> None:
         raise SystemExit(1) from refused
 
 
+@worker_init.connect
+def _trace_worker(sender=None, **kwargs) -> None:
+    """Set tracing up in a worker (off unless the ``OTEL_*`` variables configure it).
+
+    Forked pool processes keep the provider: its batch processor restarts its thread in a child.
+    """
+    from runstate_project.tracing import setup_tracing
+
+    setup_tracing("celery-worker")
+
+
+@beat_init.connect
+def _trace_beat(sender=None, **kwargs) -> None:
+    """Set tracing up in beat (off unless the ``OTEL_*`` variables configure it)."""
+    from runstate_project.tracing import setup_tracing
+
+    setup_tracing("beat")
+
+
 @beat_init.connect
 def _ensure_periodic_sweeps(sender=None, **kwargs) -> None:
     """Register the sweeps each time beat starts (the migrations did it once already)."""

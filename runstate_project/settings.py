@@ -368,6 +368,9 @@ RUNSTATE_SSE_BUFFER = int(os.environ.get("RUNSTATE_SSE_BUFFER", "10000"))
 # Seconds an event stream may stall on a reader that takes nothing before its connection is closed.
 RUNSTATE_SSE_STALL_S = float(os.environ.get("RUNSTATE_SSE_STALL_S", "10"))
 
+# A task's admin page links its trace id here: a URL with ``{trace_id}`` (a Jaeger or Tempo trace view).
+RUNSTATE_TRACE_URL = os.environ.get("RUNSTATE_TRACE_URL", "").strip()
+
 # One JSON object per line with the request id (LOG_FORMAT=text for plain lines).
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")
 LOGGING = {

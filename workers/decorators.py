@@ -314,22 +314,28 @@ class RunstateTask:
         """Submit a runstate task under ``run_id``; a Celery worker is woken after commit. Return the Task.
 
         The same ``key`` with the same input returns the existing task (and sends nothing);
-        a run that is a group's gate makes the task a member of that group.
+        a run that is a group's gate makes the task a member of that group. The task carries
+        the current span's trace context (the ``send`` span's when this process traces): the
+        worker's span is its child.
         """
+        from coordination import tracing
         from coordination.services.tasks import task_submit
 
         project_id, mailbox = self._project_and_mailbox()
-        run_id = getattr(run_id, "id", run_id)
-        task, _ = task_submit(
-            project_id=project_id,
-            mailbox=mailbox,
-            run_id=uuid.UUID(str(run_id)),
-            input={} if input is None else input,
-            key=key,
-            priority=priority,
-            max_attempts=max_attempts,
-            expires_at=expires_at,
-        )
+        run_id = uuid.UUID(str(getattr(run_id, "id", run_id)))
+        with tracing.send_span(mailbox.name, tracing.TraceContext.current(), run_id=run_id) as (span, trace):
+            task, _ = task_submit(
+                project_id=project_id,
+                mailbox=mailbox,
+                run_id=run_id,
+                input={} if input is None else input,
+                key=key,
+                priority=priority,
+                max_attempts=max_attempts,
+                expires_at=expires_at,
+                trace=trace,
+            )
+            tracing.annotate(span, task_id=task.id, group_id=task.group_id)
         return task
 
     def submit_many(self, run_id: uuid.UUID | str | Any, inputs: list[object], *, priority: int = 0) -> list:
@@ -338,16 +344,19 @@ class RunstateTask:
         The tasks and their events are written by one statement on PostgreSQL, and after
         commit their Celery messages are published in one go (one producer), one per task.
         """
+        from coordination import tracing
         from coordination.services.tasks import TaskSpec, tasks_submit_many
 
         project_id, mailbox = self._project_and_mailbox()
-        run_id = getattr(run_id, "id", run_id)
-        answers = tasks_submit_many(
-            project_id=project_id,
-            mailbox=mailbox,
-            run_id=uuid.UUID(str(run_id)),
-            items=[TaskSpec(input={} if input is None else input, priority=priority) for input in inputs],
-        )
+        run_id = uuid.UUID(str(getattr(run_id, "id", run_id)))
+        with tracing.send_span(mailbox.name, tracing.TraceContext.current(), run_id=run_id) as (_, trace):
+            answers = tasks_submit_many(
+                project_id=project_id,
+                mailbox=mailbox,
+                run_id=run_id,
+                items=[TaskSpec(input={} if input is None else input, priority=priority) for input in inputs],
+                trace=trace,
+            )
         return [task for task, _ in answers]
 
     def kwargs_for(self, input: object) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from coordination.services.claims import (
     task_claim_by_id_narrow,
 )
 from coordination.states import TaskState
+from runstate._tracing import ProcessSpan, in_span, leave, process_span
 
 if TYPE_CHECKING:
     from workers.decorators import RunstateTask
@@ -383,6 +384,27 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
         return "not_claimable"
 
     ctx = TaskContext(claim, mailbox=bound.mailbox_name)
+    # The handler runs in a ``process`` span, a child of the submitter's (the context the claim carries).
+    trace = process_span(
+        bound.mailbox_name,
+        traceparent=claim.traceparent,
+        tracestate=claim.tracestate,
+        run_id=str(claim.run_id),
+        task_id=str(claim.task_id),
+        attempt=claim.attempt,
+        group_id=str(claim.group_id) if claim.group_id else None,
+    )
+    token = in_span(trace.context)
+    try:
+        return _work(bound, ctx, claim, project_id, request, trace)
+    finally:
+        leave(token)
+        trace.end()
+
+
+def _work(
+    bound: RunstateTask, ctx: TaskContext, claim: NarrowClaim, project_id: uuid.UUID, request, trace: ProcessSpan
+) -> str:
     lease_ttl_ms = bound.lease_ttl_ms or claim.lease_ttl_ms
     heartbeat = renewer()
     ctx._held = heartbeat.hold(ctx, project_id=project_id, lease_ttl_ms=lease_ttl_ms, renew_ttl_ms=bound.lease_ttl_ms)
@@ -393,9 +415,11 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
     except (TaskCancelled, asyncio.CancelledError) as stopped:
         if not ctx.signal.is_set():
             error = _handler_error(stopped)
-    except SoftTimeLimitExceeded:
+    except SoftTimeLimitExceeded as limit:
+        trace.fail(limit)
         error = _soft_time_limit_error(bound, request)
     except Exception as failure:  # noqa: BLE001 - the handler's failure is recorded, not raised
+        trace.fail(failure)
         error = _handler_error(failure)
     except BaseException:
         # The worker is going away (shutdown, interrupt): hand the task back for another worker.
@@ -404,7 +428,8 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
         raise
     finally:
         heartbeat.let_go(ctx._held)
-    return _after_disconnect_once_more(lambda: _record(bound, ctx, project_id, outcome, error))
+    with trace.settle(bound.mailbox_name, outcome="complete" if error is None else "fail"):
+        return _after_disconnect_once_more(lambda: _record(bound, ctx, project_id, outcome, error))
 
 
 def _after_disconnect_once_more(call):

@@ -2,6 +2,7 @@
 
 import uuid
 
+from django.conf import settings
 from django.contrib import admin
 from django.contrib.admin.utils import quote
 from django.db.models import Model
@@ -27,6 +28,20 @@ def changelist_url(model: type[Model]) -> str:
 def change_link(obj: Model, label: object = None) -> str:
     """Return an HTML link to the change page of ``obj``."""
     return format_html('<a href="{}">{}</a>', change_url(obj), obj if label is None else label)
+
+
+def trace_link(trace_id: str) -> str:
+    """Return ``trace_id`` as a link to ``RUNSTATE_TRACE_URL`` (its ``{trace_id}`` filled in), or as text.
+
+    Only an http(s) URL becomes a link; no trace id shows a dash.
+    """
+    if not trace_id:
+        return "—"
+    template = settings.RUNSTATE_TRACE_URL
+    if "{trace_id}" not in template or not template.startswith(("https://", "http://")):
+        return trace_id
+    url = template.replace("{trace_id}", trace_id)
+    return format_html('<a href="{}" target="_blank" rel="noopener noreferrer">{}</a>', url, trace_id)
 
 
 class VisibleRelatedFilter(admin.RelatedFieldListFilter):

@@ -28,6 +28,7 @@ from coordination.services.claims import claim_id_for, claim_release
 from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_attempts
 from coordination.services.tasks import task_cancel
 from coordination.states import TASK_HELD, MailboxMode, MessageState, TaskState
+from coordination.tracing import TraceContext
 
 from .base import (
     ProjectScopedAdmin,
@@ -37,6 +38,7 @@ from .base import (
     changelist_url,
     count_of,
     parse_uuid,
+    trace_link,
 )
 from .reruns import rerun_selected
 
@@ -290,6 +292,7 @@ class TaskAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
         ),
         ("Claim", {"fields": ("current_claim", "worker_id", "last_renewed_at", "lease_expires_at")}),
         ("Cancellation", {"fields": ("cancel_requested_at", "cancel_grace_until", "cancel_reason")}),
+        ("Tracing", {"fields": ("trace",)}),
     )
     readonly_fields = tuple(name for _, options in fieldsets for name in options["fields"])
 
@@ -315,6 +318,11 @@ class TaskAdmin(ProjectScopedAdmin, ServiceBackedAdmin):
     @admin.display(description="attempts/maxAttempts")
     def attempts_of_max(self, task: Task) -> str:
         return f"{task.attempts}/{task.max_attempts}"
+
+    @admin.display(description="trace id")
+    def trace(self, task: Task) -> str:
+        """Show the trace the task belongs to; a link to it where ``RUNSTATE_TRACE_URL`` is set."""
+        return trace_link(TraceContext(task.traceparent, task.tracestate).trace_id)
 
     @admin.display(description="current claim")
     def current_claim(self, task: Task) -> str:

@@ -108,6 +108,9 @@ def present_claim(claim: Claim, mailbox_name: str | None = None) -> dict:
         "leaseExpiresAt": iso(claim.lease_expires_at),
         "cancellationRequested": claim.task.state == TaskState.CANCELLATION_REQUESTED,
         "task": present_task(claim.task, mailbox_name),
+        # The submitter's W3C trace context: the worker's span is its child.
+        "traceparent": claim.task.traceparent or None,
+        "tracestate": claim.task.tracestate or None,
     }
 
 
@@ -136,6 +139,8 @@ def present_delivery(delivery: Delivery) -> dict:
         "body": delivery.message.body,
         "attempt": delivery.attempt,
         "visibleUntil": iso(delivery.visible_until),
+        "traceparent": delivery.message.traceparent or None,
+        "tracestate": delivery.message.tracestate or None,
     }
 
 

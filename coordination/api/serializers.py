@@ -322,6 +322,8 @@ class ClaimOut(serializers.Serializer):
     leaseExpiresAt = serializers.DateTimeField()
     cancellationRequested = serializers.BooleanField()
     task = TaskOut()
+    traceparent = serializers.CharField(allow_null=True, help_text="The submitter's W3C traceparent, if it sent one")
+    tracestate = serializers.CharField(allow_null=True, help_text="The submitter's W3C tracestate, if it sent one")
 
 
 class ClaimsOut(serializers.Serializer):
@@ -463,6 +465,8 @@ class DeliveryOut(serializers.Serializer):
     body = serializers.JSONField()
     attempt = serializers.IntegerField()
     visibleUntil = serializers.DateTimeField()
+    traceparent = serializers.CharField(allow_null=True, help_text="The sender's W3C traceparent, if it sent one")
+    tracestate = serializers.CharField(allow_null=True, help_text="The sender's W3C tracestate, if it sent one")
 
 
 class DeliveriesOut(serializers.Serializer):

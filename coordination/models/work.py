@@ -83,6 +83,10 @@ class Task(models.Model):
     rerun_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="reruns", db_index=False
     )
+    # The submitter's W3C trace context (``coordination.tracing``): a claim answers it, and the
+    # worker's span is its child. Empty when the submitter traced nothing.
+    traceparent = models.CharField(max_length=55, blank=True, default="", db_default="")
+    tracestate = models.CharField(max_length=512, blank=True, default="", db_default="")
 
     class Meta:
         ordering = ["created_at", "id"]
@@ -134,6 +138,9 @@ class Message(models.Model):
     visible_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
     dead_letter_reason = models.TextField(null=True, blank=True)  # noqa: DJ001 - null: none given
+    # The sender's W3C trace context, as on ``Task``: a delivery answers it.
+    traceparent = models.CharField(max_length=55, blank=True, default="", db_default="")
+    tracestate = models.CharField(max_length=512, blank=True, default="", db_default="")
 
     class Meta:
         ordering = ["created_at", "id"]

@@ -15,6 +15,7 @@ from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.states import BarrierState
+from coordination.tracing import record_span
 
 MAX_TARGET = 100_000
 MAX_KEY_LENGTH = 200
@@ -86,6 +87,14 @@ def barrier_arrive(*, project_id: uuid.UUID, barrier_id: uuid.UUID, key: str) ->
         barrier.state = BarrierState.RELEASED
         barrier.released_at = now
         events.append(_event(barrier, "barrier.released", arrivals=barrier.arrivals))
+        record_span(
+            "release barrier",
+            barrier_id=barrier.id,
+            run_id=barrier.run_id,
+            epoch=barrier.epoch,
+            arrivals=barrier.arrivals,
+            key=key,
+        )
     barrier.save(update_fields=["arrivals", "state", "released_at"])
     events_record_many(events)
     return barrier

@@ -3,7 +3,7 @@
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Func, IntegerField, Value
+from django.db.models import Count, Func, IntegerField, Max, Value
 from django.utils import timezone
 
 from coordination.models import Event, Run
@@ -114,6 +114,23 @@ def events_record_many(events: list[Event]) -> None:
     for event in events:
         event.txid = txid
     Event.objects.bulk_create(events)
+
+
+def events_mark() -> int:
+    """Return the newest event's id (0 when none), from which ``events_written_since`` counts."""
+    return Event.objects.aggregate(newest=Max("id"))["newest"] or 0
+
+
+def events_written_since(*, project_id, mark: int) -> dict[str, int]:
+    """Count, by type, the events of ``project_id`` this transaction wrote after ``events_mark`` gave ``mark``.
+
+    On PostgreSQL the transaction's id tells its events from concurrent ones; SQLite has
+    one writer at a time.
+    """
+    rows = Event.objects.filter(project_id=project_id, id__gt=mark)
+    if connection.vendor == "postgresql":
+        rows = rows.filter(txid=CurrentTxid())
+    return dict(rows.order_by().values("type").annotate(count=Count("id")).values_list("type", "count"))
 
 
 def events_prune(*, batch_size: int = 5000) -> int:

@@ -34,6 +34,7 @@ from coordination.states import (
     TaskState,
     Verdict,
 )
+from coordination.tracing import NO_TRACE, TraceContext, span
 
 
 @dataclass
@@ -168,7 +169,13 @@ def group_evaluate(locked: LockedGroup, now: datetime | None = None, members: li
 
 
 def _finalize(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: datetime) -> None:
-    """Record the decision, cancel the gate and every unfinished member: one transaction."""
+    """Record the decision, cancel the gate and every unfinished member: one transaction (one span)."""
+    group = locked.group
+    with span("finalize group", group_id=group.id, run_id=locked.gate.id, outcome=outcome, reason=reason):
+        _finalize_in_span(locked, outcome, reason, now)
+
+
+def _finalize_in_span(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: datetime) -> None:
     from coordination.services.tasks import tasks_cancel_group_members
 
     group, gate = locked.group, locked.gate
@@ -318,11 +325,13 @@ def group_submit(
     priority: int = 0,
     max_attempts: int | None = None,
     expires_at: datetime | None = None,
+    trace: TraceContext = NO_TRACE,
 ) -> tuple[Task, bool, TaskGroup]:
     """Submit a new member on the gate; return it, whether it was created, and the group.
 
-    The same key and input answer the existing member, even after close. The submit that
-    reaches ``expectedMembers`` closes the group in this transaction.
+    ``trace`` is the submitter's W3C context, stored on the task. The same key and input
+    answer the existing member, even after close. The submit that reaches ``expectedMembers``
+    closes the group in this transaction.
     """
     from coordination.services.tasks import task_insert
 
@@ -352,6 +361,7 @@ def group_submit(
         expires_at=expires_at,
         group=group,
         now=now,
+        trace=trace,
     )
     _add_member(locked, task, now)
     group_evaluate(locked, now)

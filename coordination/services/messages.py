@@ -31,6 +31,7 @@ from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.services.rules import Clause, Rule
 from coordination.services.sql import columns, fast_paths_enabled, fetch_models, literal
 from coordination.states import MailboxMode, MessageState, RunState
+from coordination.tracing import NO_TRACE, TraceContext
 
 MAX_DELIVERIES_PER_CALL = 100
 MAX_DELAY_MS = 24 * 3600 * 1000
@@ -92,12 +93,18 @@ def _record(message: Message, type: str, **data) -> None:
 
 @transaction.atomic
 def message_send(
-    *, project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, body: object, key: str | None = None
+    *,
+    project_id: uuid.UUID,
+    mailbox: Mailbox,
+    run_id: uuid.UUID,
+    body: object,
+    key: str | None = None,
+    trace: TraceContext = NO_TRACE,
 ) -> tuple[Message, bool]:
     """Enqueue a message under ``run_id``; return it and whether it was created.
 
     The same ``key`` with the same body returns the existing message; with another body it
-    is ``KEY_CONFLICT``.
+    is ``KEY_CONFLICT``. ``trace`` is the sender's W3C context, which a delivery answers.
     """
     if mailbox.mode != MailboxMode.QUEUE:
         raise exceptions.MailboxModeConflict(f"Mailbox '{mailbox.name}' holds tasks, not messages.")
@@ -118,6 +125,8 @@ def message_send(
         body=body,
         created_at=now,
         visible_at=now,
+        traceparent=trace.traceparent,
+        tracestate=trace.tracestate,
     )
     try:
         with transaction.atomic():

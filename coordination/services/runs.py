@@ -13,9 +13,10 @@ from coordination.models import Run
 from coordination.models.runs import MAX_DEPTH
 from coordination.services import dispatch
 from coordination.services.cascade import SubtreeEnd, subtree_end
-from coordination.services.events import event_record
+from coordination.services.events import event_record, events_mark, events_written_since
 from coordination.services.locking import LockMode, run_chain_lock, run_chain_lock_active
 from coordination.states import RunState
+from coordination.tracing import NO_TRACE, TraceContext, annotate, span
 
 MAX_CHILD_LIMIT = 1_000_000
 
@@ -121,22 +122,43 @@ def run_end(
     return run
 
 
+def _run_end_traced(
+    *, run_id: uuid.UUID, project_id: uuid.UUID, state: RunState, reason: str | None, trace: TraceContext
+) -> Run:
+    """End a run as ``run_end`` does, in a span (child of ``trace``) that counts what the cascade ended.
+
+    The counts are the events the cascade wrote, by type (``runstate.cascade.task.cancelled``...);
+    they are read only when the span records.
+    """
+    verb = "cancel" if state == RunState.CANCELLED else "complete"
+    with span(f"{verb} run", parent=trace, run_id=run_id, reason=reason) as current:
+        mark = events_mark() if current is not None else 0
+        run = run_end(run_id=run_id, project_id=project_id, state=state, reason=reason)
+        if current is not None:
+            written = events_written_since(project_id=project_id, mark=mark)
+            annotate(current, **{f"cascade.{type}": count for type, count in written.items()})
+        return run
+
+
 @transaction.atomic
-def run_cancel(*, run_id: uuid.UUID, project_id: uuid.UUID, reason: str | None = None) -> Run:
+def run_cancel(
+    *, run_id: uuid.UUID, project_id: uuid.UUID, reason: str | None = None, trace: TraceContext = NO_TRACE
+) -> Run:
     """Cancel a run and, in the same transaction, end all work in its subtree.
 
-    Idempotent on a cancelled run; ``SCOPE_COMPLETED`` on a completed one.
+    Idempotent on a cancelled run; ``SCOPE_COMPLETED`` on a completed one. ``trace`` is the
+    caller's W3C context: the cancel's span (when this process traces) is its child.
     """
-    return run_end(run_id=run_id, project_id=project_id, state=RunState.CANCELLED, reason=reason)
+    return _run_end_traced(run_id=run_id, project_id=project_id, state=RunState.CANCELLED, reason=reason, trace=trace)
 
 
 @transaction.atomic
-def run_complete(*, run_id: uuid.UUID, project_id: uuid.UUID) -> Run:
+def run_complete(*, run_id: uuid.UUID, project_id: uuid.UUID, trace: TraceContext = NO_TRACE) -> Run:
     """Complete a run and, in the same transaction, end all work in its subtree.
 
     Idempotent on a completed run; ``SCOPE_CANCELLED`` on a cancelled one.
     """
-    return run_end(run_id=run_id, project_id=project_id, state=RunState.COMPLETED, reason=None)
+    return _run_end_traced(run_id=run_id, project_id=project_id, state=RunState.COMPLETED, reason=None, trace=trace)
 
 
 # The deadline sweep ----------------------------------------------------------------------

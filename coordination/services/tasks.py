@@ -28,6 +28,7 @@ from coordination.services.mailboxes import validate_max_attempts
 from coordination.services.retry import GroupMembershipChanged, retrying
 from coordination.services.sql import fast_paths_enabled
 from coordination.states import TASK_TERMINAL, TASK_UNFINISHED, MailboxMode, TaskState
+from coordination.tracing import NO_TRACE, TraceContext
 
 
 def record(task: Task, type: str, **data) -> None:
@@ -68,6 +69,7 @@ def task_submit(
     priority: int = 0,
     max_attempts: int | None = None,
     expires_at: datetime | None = None,
+    trace: TraceContext = NO_TRACE,
 ) -> tuple[Task, bool]:
     """Submit a task; return it and whether it was created.
 
@@ -75,14 +77,17 @@ def task_submit(
     is ``KEY_CONFLICT``. A task submitted to a group's gate in the group's mailbox is a
     member of that group, so it is submitted through the group. On PostgreSQL one statement
     locks the chain, inserts the task and its event; when it inserts nothing (an inactive
-    chain, a group's gate, a key already used) the careful path answers.
+    chain, a group's gate, a key already used) the careful path answers. ``trace`` is the
+    submitter's W3C context, stored on the task (a resubmit answers the first one's task).
     """
     spec = TaskSpec(input=input, key=key, priority=priority, max_attempts=max_attempts, expires_at=expires_at)
     now = timezone.now()
     if not fast_paths_enabled():
         _validate_submit(mailbox, [spec], now)
     else:
-        task, wake = submit_prepared(project_id=project_id, mailbox=mailbox, run_id=run_id, spec=spec, now=now)
+        task, wake = submit_prepared(
+            project_id=project_id, mailbox=mailbox, run_id=run_id, spec=spec, now=now, trace=trace
+        )
         if submitted(task, sql.fetch(*submit_statement(task, mailbox, now))):
             dispatch.work_wake_on_commit(wake)
             return task, True
@@ -96,6 +101,7 @@ def task_submit(
             priority=priority,
             max_attempts=max_attempts,
             expires_at=expires_at,
+            trace=trace,
         )
         return task, created
     return _task_submit(
@@ -107,12 +113,19 @@ def task_submit(
         priority=priority,
         max_attempts=max_attempts,
         expires_at=expires_at,
+        trace=trace,
     )
 
 
 @transaction.atomic
 def tasks_submit_many(
-    *, project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, items: list[TaskSpec], label: str = "items"
+    *,
+    project_id: uuid.UUID,
+    mailbox: Mailbox,
+    run_id: uuid.UUID,
+    items: list[TaskSpec],
+    label: str = "items",
+    trace: TraceContext = NO_TRACE,
 ) -> list[tuple[Task, bool]]:
     """Submit up to ``MAX_SUBMIT_BATCH`` tasks in one transaction, all or nothing; answer each as ``task_submit``.
 
@@ -120,6 +133,7 @@ def tasks_submit_many(
     ``<label>.<index>.<field>``, and give its ``index``), and so does one key used before with
     another input (``KEY_CONFLICT``). On PostgreSQL the chain is locked once and the tasks and
     their events are inserted by one statement (``unnest`` arrays, keys through ``ON CONFLICT``).
+    Every task of the batch stores ``trace``, the submitter's context.
     """
     if not 1 <= len(items) <= MAX_SUBMIT_BATCH:
         limit = f"must hold between 1 and {MAX_SUBMIT_BATCH} tasks"
@@ -132,10 +146,12 @@ def tasks_submit_many(
         with dispatch.work_wakes_batched():
             for index, spec in enumerate(items):
                 with _item(label, index):
-                    answers.append(task_submit(project_id=project_id, mailbox=mailbox, run_id=run_id, **vars(spec)))
+                    answers.append(
+                        task_submit(project_id=project_id, mailbox=mailbox, run_id=run_id, trace=trace, **vars(spec))
+                    )
         return answers
     chain = run_chain_lock_active(run_id, project_id=project_id)
-    tasks = [_new_task(project_id, mailbox, run_id, spec, now) for spec in items]
+    tasks = [_new_task(project_id, mailbox, run_id, spec, now, trace) for spec in items]
     wakes = []
     for index, task in enumerate(tasks):
         with _item(label, index):
@@ -178,7 +194,9 @@ def _item(label: str, index: int | None):
         raise type(error)(f"Item {index}: {error.message}", index=index, **details) from None
 
 
-def _new_task(project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: TaskSpec, now: datetime) -> Task:
+def _new_task(
+    project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: TaskSpec, now: datetime, trace: TraceContext
+) -> Task:
     """Build (not save) a new queued task; ``run_path`` and ``run_deadline`` come from the insert."""
     return Task(
         project_id=project_id,
@@ -191,6 +209,8 @@ def _new_task(project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: 
         expires_at=spec.expires_at,
         created_at=now,
         available_at=now,
+        traceparent=trace.traceparent,
+        tracestate=trace.tracestate,
     )
 
 
@@ -230,10 +250,11 @@ def _submit_sql(prelude: str) -> str:
 WITH {prelude}, done AS (
     INSERT INTO coordination_task (
         id, project_id, mailbox_id, run_id, run_path, run_deadline, key, input, state, attempts,
-        max_attempts, priority, created_at, available_at, expires_at, worker_id
+        max_attempts, priority, created_at, available_at, expires_at, worker_id, traceparent, tracestate
     )
     SELECT i.id, %(project_id)s, %(mailbox_id)s, %(run_id)s, gate.run_path, gate.run_deadline, i.key, i.input::jsonb,
-        {sql.literal(TaskState.QUEUED)}, 0, i.max_attempts, i.priority, %(now)s, %(now)s, i.expires_at, ''
+        {sql.literal(TaskState.QUEUED)}, 0, i.max_attempts, i.priority, %(now)s, %(now)s, i.expires_at, '',
+        %(traceparent)s, %(tracestate)s
     FROM items i, gate
     WHERE gate.open
     ORDER BY i.n
@@ -283,11 +304,17 @@ def submitted(task: Task, rows: list[tuple]) -> bool:
 
 
 def submit_prepared(
-    *, project_id: uuid.UUID, mailbox: Mailbox, run_id: uuid.UUID, spec: TaskSpec, now: datetime
+    *,
+    project_id: uuid.UUID,
+    mailbox: Mailbox,
+    run_id: uuid.UUID,
+    spec: TaskSpec,
+    now: datetime,
+    trace: TraceContext = NO_TRACE,
 ) -> tuple[Task, object]:
-    """Check a submit and build its new task (unsaved); return it and the wake-up to send once it is inserted."""
+    """Check a submit and build its new task (unsaved, with ``trace``); return it and the wake-up to send after."""
     _validate_submit(mailbox, [spec], now)
-    task = _new_task(project_id, mailbox, run_id, spec, now)
+    task = _new_task(project_id, mailbox, run_id, spec, now, trace)
     return task, dispatch.work_accept(task, mailbox)
 
 
@@ -321,11 +348,16 @@ def _common_params(task: Task, mailbox: Mailbox, now: datetime) -> dict:
         "mailbox_name": mailbox.name,
         "run_id": task.run_id,
         "now": now,
+        # One context per submit: a batch's tasks share their submitter's.
+        "traceparent": task.traceparent,
+        "tracestate": task.tracestate,
     }
 
 
 @transaction.atomic
-def _task_submit(*, project_id, mailbox, run_id, input, key, priority, max_attempts, expires_at) -> tuple[Task, bool]:
+def _task_submit(
+    *, project_id, mailbox, run_id, input, key, priority, max_attempts, expires_at, trace
+) -> tuple[Task, bool]:
     if key is not None:
         existing = _task_with_key(mailbox, run_id, key, input)
         if existing is not None:
@@ -342,6 +374,7 @@ def _task_submit(*, project_id, mailbox, run_id, input, key, priority, max_attem
                 priority=priority,
                 max_attempts=max_attempts,
                 expires_at=expires_at,
+                trace=trace,
             )
     except IntegrityError:
         # A concurrent submit with the same key won; answer as an idempotent resubmit.
@@ -364,6 +397,7 @@ def task_insert(
     expires_at: datetime | None = None,
     group: TaskGroup | None = None,
     now: datetime | None = None,
+    trace: TraceContext = NO_TRACE,
 ) -> Task:
     """Insert a task on the last run of ``chain``, whose locks the caller holds, and its event."""
     now = now or timezone.now()
@@ -382,6 +416,8 @@ def task_insert(
         group=group,
         created_at=now,
         available_at=now,
+        traceparent=trace.traceparent,
+        tracestate=trace.tracestate,
     )
     dispatch.work_submitted(task, mailbox)
     task.save(force_insert=True)

@@ -4,6 +4,7 @@ Firing is idempotent: the Celery task dispatched for the due time and the sweep 
 ``timer_fire``/``timers_fire_due``, and whichever locks the row first fires it.
 """
 
+import time
 import uuid
 from datetime import datetime, timedelta
 
@@ -17,6 +18,7 @@ from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.locking import run_chain_lock_active
 from coordination.states import TimerState
+from coordination.tracing import record_span
 
 MAX_DELAY_S = 10 * 365 * 24 * 3600
 
@@ -81,6 +83,7 @@ def timer_fire(*, timer_id: uuid.UUID) -> Timer | None:
     now = timezone.now()
     if timer.state == TimerState.ARMED and timer.fire_at <= now:
         _fire(timer, now)
+        record_span("fire timer", timer_id=timer.id, run_id=timer.run_id, state=timer.state)
     return timer
 
 
@@ -132,8 +135,17 @@ def timers_fire_due(*, now: datetime | None = None, batch_size: int = 1000) -> i
     On PostgreSQL the batch is one statement (``FIRE_DUE_SQL``). Elsewhere it is written in
     bulk: one UPDATE for the timers that fire, one for those due at or after their run's
     deadline (cancelled instead, as ``_fire`` does) and one insert of all their events, so a
-    burst of due timers costs a few statements per batch, not per timer.
+    burst of due timers costs a few statements per batch, not per timer. A batch that ended
+    any timer is a span (``fire timers``, with the count); an empty sweep is none.
     """
+    started_ns = time.time_ns()
+    ended = _timers_fire_due(now=now, batch_size=batch_size)
+    if ended:
+        record_span("fire timers", started_ns=started_ns, timers=ended)
+    return ended
+
+
+def _timers_fire_due(*, now: datetime | None, batch_size: int) -> int:
     now = now or timezone.now()
     if sql.fast_paths_enabled():
         with connection.cursor() as cursor:

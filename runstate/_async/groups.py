@@ -6,6 +6,7 @@ from typing import Any
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncTicket
 from runstate._config import JsonDict, compact, segment, wire_time
+from runstate._tracing import annotate_task, send_span
 
 
 class AsyncGroup:
@@ -34,9 +35,12 @@ class AsyncGroup:
         With ``key`` the submit is idempotent (and retried); without one it is sent once.
         """
         body = compact(key=key) | {"input": {} if input is None else input}
-        task: JsonDict = await self._http.request(
-            "POST", f"{self._path}/members", idempotent=key is not None, json=body
-        )
+        mailbox = (self.data or {}).get("mailbox") or f"group {self.id}"
+        with send_span(mailbox, run_id=(self.data or {}).get("scopeId")) as headers:
+            task: JsonDict = await self._http.request(
+                "POST", f"{self._path}/members", idempotent=key is not None, json=body, headers=headers
+            )
+            annotate_task(task)
         return AsyncTicket(self._http, task["id"], task)
 
     async def join_task(self, task_id: str) -> JsonDict:

@@ -8,6 +8,7 @@ it for one task.
 
 from typing import TYPE_CHECKING
 
+from runstate._tracing import in_span, leave
 from runstate._worker import AsyncHoldContext, Holder
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class AsyncHold:
         self.claim = claim
         self.ctx = AsyncHoldContext(claim)
         self._holder = Holder(claim._http, claim, self.ctx, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
+        self._token = None  # the process span made current for the block
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.claim.id}>"
@@ -51,12 +53,15 @@ class AsyncHold:
         between tool calls and records ``task_complete`` / ``task_fail`` / ``task_release`` as asked).
         """
         await self._holder.stop()
+        self._holder.held.trace.end()
 
     async def __aenter__(self) -> AsyncHoldContext:
         await self._holder.enter()
+        self._token = in_span(self._holder.held.trace.context)
         return self.ctx
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        leave(self._token)
         refusal = await self._holder.exit(exc)
         if exc is None and refusal is not None:
             raise refusal

@@ -7,6 +7,7 @@ from typing import Any
 from runstate._config import JsonDict, compact, segment, wire_time
 from runstate._sync.http import Http
 from runstate._sync.work import Ticket
+from runstate._tracing import annotate_task, send_span
 
 
 class Group:
@@ -35,7 +36,12 @@ class Group:
         With ``key`` the submit is idempotent (and retried); without one it is sent once.
         """
         body = compact(key=key) | {"input": {} if input is None else input}
-        task: JsonDict = self._http.request("POST", f"{self._path}/members", idempotent=key is not None, json=body)
+        mailbox = (self.data or {}).get("mailbox") or f"group {self.id}"
+        with send_span(mailbox, run_id=(self.data or {}).get("scopeId")) as headers:
+            task: JsonDict = self._http.request(
+                "POST", f"{self._path}/members", idempotent=key is not None, json=body, headers=headers
+            )
+            annotate_task(task)
         return Ticket(self._http, task["id"], task)
 
     def join_task(self, task_id: str) -> JsonDict:

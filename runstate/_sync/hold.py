@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncClaim
+from runstate._tracing import in_span, leave
 from runstate._worker import HoldContext, Holder
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class Hold:
         self._thread: threading.Thread | None = None
         self._http: AsyncHttp | None = None
         self._holder: Holder | None = None
+        self._token = None
         self.ctx: HoldContext | None = None
 
     def __repr__(self) -> str:
@@ -69,10 +71,13 @@ class Hold:
         except BaseException:
             self._close()
             raise
+        assert self._holder is not None
+        self._token = in_span(self._holder.held.trace.context)  # the block runs in its process span
         return self.ctx
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         assert self._holder is not None
+        leave(self._token)
         try:
             refusal = self._call(self._holder.exit(exc))
         finally:

@@ -18,6 +18,7 @@ import httpx
 
 from runstate._config import MAX_SERVER_WAIT_MS, RETRYABLE_STATUS, ClientConfig, JsonDict
 from runstate._errors import TransportError, error_from_response, retry_after_seconds
+from runstate._tracing import current_headers
 
 Params = Mapping[str, str | int]
 
@@ -50,6 +51,7 @@ class Http:
         json: JsonDict | None = None,
         params: Params | None = None,
         wait_ms: int = 0,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """Send one call and return its decoded JSON answer; raise the mapped error otherwise.
 
@@ -57,10 +59,14 @@ class Http:
         timeout is extended by that much.
         """
         timeout = httpx.Timeout(self.config.timeout + wait_ms / 1000, connect=self.config.connect_timeout)
+        if headers is None:
+            headers = current_headers()  # the caller's span, if any: a cancel's span is its child
         retries = 0
         while True:
             try:
-                response = self._client.request(method, path, json=json, params=params, timeout=timeout)
+                response = self._client.request(
+                    method, path, json=json, params=params, timeout=timeout, headers=headers
+                )
             except httpx.TransportError as exc:
                 if not idempotent or retries >= self.config.max_retries:
                     raise TransportError(f"{method} /v1{path}: {type(exc).__name__}: {exc}") from exc

@@ -18,6 +18,7 @@ from runstate._batch import (
 from runstate._config import JsonDict, compact, parse_time, segment
 from runstate._errors import RunstateError
 from runstate._sync.http import Http
+from runstate._tracing import annotate_task, receive_started, record_receive, send_span
 
 if TYPE_CHECKING:
     from runstate._sync.hold import Hold
@@ -236,9 +237,11 @@ class Tasks:
         body = {"runId": self._run("submit")} | task_body(
             input, key=key, priority=priority, max_attempts=max_attempts, expires_at=expires_at
         )
-        task: JsonDict = self._http.request(
-            "POST", f"/mailboxes/{segment(mailbox)}/tasks", idempotent=key is not None, json=body
-        )
+        with send_span(mailbox, run_id=body["runId"]) as headers:
+            task: JsonDict = self._http.request(
+                "POST", f"/mailboxes/{segment(mailbox)}/tasks", idempotent=key is not None, json=body, headers=headers
+            )
+            annotate_task(task)
         return Ticket(self._http, task["id"], task)
 
     def submit_many(self, mailbox: str, items: Iterable[TaskItem]) -> list[Ticket]:
@@ -259,12 +262,14 @@ class Tasks:
         tickets: list[Ticket] = []
         for offset, chunk in chunks([task_body(**item) for item in items], MAX_SUBMIT_BATCH):
             try:
-                answer: JsonDict = self._http.request(
-                    "POST",
-                    path,
-                    idempotent=all("key" in task for task in chunk),
-                    json={"runId": run_id, "tasks": list(chunk)},
-                )
+                with send_span(mailbox, run_id=run_id) as headers:
+                    answer: JsonDict = self._http.request(
+                        "POST",
+                        path,
+                        idempotent=all("key" in task for task in chunk),
+                        json={"runId": run_id, "tasks": list(chunk)},
+                        headers=headers,
+                    )
             except RunstateError as error:
                 rebase_index(error, offset)
                 raise
@@ -285,13 +290,15 @@ class Tasks:
         Never retried: a lost answer's claims are taken over once their lease expires.
         """
         wait = min(wait_ms, 30_000)
+        run_id, started_ns = self._run("claim"), receive_started()
         answer: JsonDict = self._http.request(
             "POST",
             f"/mailboxes/{segment(mailbox)}/claims",
             idempotent=False,
-            json=compact(runId=self._run("claim"), max=max, waitMs=wait, leaseTtlMs=lease_ttl_ms, workerId=worker_id),
+            json=compact(runId=run_id, max=max, waitMs=wait, leaseTtlMs=lease_ttl_ms, workerId=worker_id),
             wait_ms=wait,
         )
+        record_receive(mailbox, run_id=run_id, started_ns=started_ns, items=answer["claims"])
         return [Claim(self._http, claim) for claim in answer["claims"]]
 
     def complete_many(self, items: Iterable[tuple[Claim | str, Any]]) -> list[ClaimResult]:
@@ -343,12 +350,15 @@ class Messages:
 
     def send(self, mailbox: str, body: Any, *, key: str | None = None) -> JsonDict:
         """Enqueue a message; with ``key`` it is idempotent (and retried), without one it is sent once."""
-        message: JsonDict = self._http.request(
-            "POST",
-            f"/mailboxes/{segment(mailbox)}/messages",
-            idempotent=key is not None,
-            json=compact(runId=self._run("send"), key=key) | {"body": body},
-        )
+        run_id = self._run("send")
+        with send_span(mailbox, run_id=run_id) as headers:
+            message: JsonDict = self._http.request(
+                "POST",
+                f"/mailboxes/{segment(mailbox)}/messages",
+                idempotent=key is not None,
+                json=compact(runId=run_id, key=key) | {"body": body},
+                headers=headers,
+            )
         return message
 
     def receive(
@@ -359,13 +369,15 @@ class Messages:
         Never retried: a lost answer's messages are delivered again once their visibility runs out.
         """
         wait = min(wait_ms, 30_000)
+        run_id, started_ns = self._run("receive"), receive_started()
         answer: JsonDict = self._http.request(
             "POST",
             f"/mailboxes/{segment(mailbox)}/deliveries",
             idempotent=False,
-            json=compact(runId=self._run("receive"), max=max, visibilityMs=visibility_ms, waitMs=wait),
+            json=compact(runId=run_id, max=max, visibilityMs=visibility_ms, waitMs=wait),
             wait_ms=wait,
         )
+        record_receive(mailbox, run_id=run_id, started_ns=started_ns, items=answer["deliveries"])
         return [Delivery(self._http, delivery) for delivery in answer["deliveries"]]
 
     def retrieve(self, message_id: str) -> JsonDict:

@@ -32,6 +32,7 @@ from runstate._errors import (
     TransportError,
 )
 from runstate._loop import MIN_RENEW_INTERVAL_S, TRANSIENT, FetchLoop, Held
+from runstate._tracing import ProcessSpan, in_span, leave, process_span
 from runstate._worker.completer import _Completer
 from runstate._worker.contexts import CancellationRequested, _TaskContextBase
 from runstate._worker.signals import _sigterm_stops
@@ -75,6 +76,7 @@ class _Held(Held[_TaskContextBase]):
         self.lease_until = monotonic()  # when the lease runs out at the latest, by this process's clock
         self.started = monotonic()  # for the duration in the task's log line
         self.refusal: RunstateError | None = None  # why the record of the result was refused, if it was
+        self.trace = ProcessSpan(None)  # the handler's ``process`` span (a child of the submitter's)
 
 
 class Engine(FetchLoop[ConsumeSummary]):
@@ -159,10 +161,24 @@ class Engine(FetchLoop[ConsumeSummary]):
         if claim.cancellation_requested:
             ctx._trip("cancellation_requested")
         held.lease_until = monotonic() + self._ttl_s
-        held.handler = asyncio.ensure_future(self._start_handler(ctx))
-        held.handler.add_done_callback(self._slot_freed)
-        self._held[claim.id] = held
-        held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-task-{claim.task_id}")
+        held.trace = process_span(
+            self.mailbox,
+            traceparent=claim.data.get("traceparent"),
+            tracestate=claim.data.get("tracestate"),
+            run_id=self.run_id,
+            task_id=claim.task_id,
+            attempt=claim.attempt,
+            group_id=claim.task.get("groupId"),
+        )
+        # The handler and its supervisor run in the process span's context (tasks copy it).
+        token = in_span(held.trace.context)
+        try:
+            held.handler = asyncio.ensure_future(self._start_handler(ctx))
+            held.handler.add_done_callback(self._slot_freed)
+            self._held[claim.id] = held
+            held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-task-{claim.task_id}")
+        finally:
+            leave(token)
 
     def _lose(self, held: _Held, reason: str) -> None:
         """Mark the claim lost: set the signal and cancel the handler (its result can no longer count)."""
@@ -242,10 +258,12 @@ class Engine(FetchLoop[ConsumeSummary]):
                     await self._record_outcome(held, None)
                 return
             except Exception as exc:  # noqa: BLE001 - the handler's failure is recorded, not raised
+                held.trace.fail(exc)
                 await self._record_failure(held, exc)
                 return
             await self._record_outcome(held, outcome)
         finally:
+            held.trace.end()
             self._held.pop(held.claim.id, None)
             if self._changed is not None:
                 self._changed.set()
@@ -255,13 +273,16 @@ class Engine(FetchLoop[ConsumeSummary]):
             json.dumps(outcome)
         except (TypeError, ValueError) as exc:
             error = {"type": type(exc).__name__, "message": f"The handler's return value is not JSON: {exc}"}
-            await self._record(held, held.claim.fail(error, retry=False), failed=True)
+            with held.trace.settle(self.mailbox, outcome="fail"):
+                await self._record(held, held.claim.fail(error, retry=False), failed=True)
             return
-        await self._record(held, self._completer.complete(held.claim, outcome), failed=False)
+        with held.trace.settle(self.mailbox, outcome="complete"):
+            await self._record(held, self._completer.complete(held.claim, outcome), failed=False)
 
     async def _record_failure(self, held: _Held, exc: BaseException) -> None:
         logger.warning("task %s attempt %d failed: %r", held.claim.task_id, held.claim.attempt, exc)
-        await self._record(held, held.claim.fail(describe_error(exc), retry=True), failed=True)
+        with held.trace.settle(self.mailbox, outcome="fail"):
+            await self._record(held, held.claim.fail(describe_error(exc), retry=True), failed=True)
 
     async def _record(self, held: _Held, call: Awaitable[JsonDict], *, failed: bool) -> None:
         took = monotonic() - held.started

@@ -8,6 +8,7 @@ from typing import Any
 from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncClaim
 from runstate._errors import RunstateError
+from runstate._tracing import process_span
 from runstate._worker.contexts import CancellationRequested, _HoldOutcome, _TaskContextBase
 from runstate._worker.engine import Engine, _Held
 
@@ -65,6 +66,16 @@ class Holder:
         held.started = monotonic()
         if self.claim.cancellation_requested:
             self.ctx._trip("cancellation_requested")
+        # The block's ``process`` span, a child of the submitter's; the hold makes it current.
+        held.trace = process_span(
+            engine.mailbox,
+            traceparent=self.claim.data.get("traceparent"),
+            tracestate=self.claim.data.get("tracestate"),
+            run_id=engine.run_id,
+            task_id=self.claim.task_id,
+            attempt=self.claim.attempt,
+            group_id=self.claim.task.get("groupId"),
+        )
         engine._held[self.claim.id] = held
         self._renewer = asyncio.create_task(engine._renew_loop(), name=f"runstate-hold-{self.claim.task_id}")
 
@@ -82,6 +93,14 @@ class Holder:
 
         Returns the service's refusal of that record (``None`` when it was recorded).
         """
+        try:
+            if isinstance(error, Exception) and not isinstance(error, CancellationRequested):
+                self.held.trace.fail(error)
+            return await self._record(error)
+        finally:
+            self.held.trace.end()
+
+    async def _record(self, error: BaseException | None) -> RunstateError | None:
         # No renewal may race the record (a renewal after a complete would be refused and trip the signal).
         await self.stop()
         engine, held, ctx = self.engine, self.held, self.ctx

@@ -1,6 +1,7 @@
 """Run a plain-function handler in a daemon thread, and tell async handlers from plain ones."""
 
 import asyncio
+import contextvars
 import inspect
 import threading
 from collections.abc import Callable
@@ -24,12 +25,14 @@ def run_in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], object], 
     worker returned; cancelling the future abandons the thread's result.
     """
     future: asyncio.Future[Any] = loop.create_future()
+    # The handler sees the caller's context variables (its trace span, for one).
+    context = contextvars.copy_context()
 
     def target() -> None:
         result: object = None
         error: BaseException | None = None
         try:
-            result = fn(ctx)
+            result = context.run(fn, ctx)
         except Exception as exc:  # noqa: BLE001 - handed to the loop, recorded as a failure
             error = exc
         except BaseException as exc:  # noqa: BLE001 - SystemExit and the like in a handler thread

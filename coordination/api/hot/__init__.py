@@ -59,6 +59,7 @@ from coordination.api.hot import db
 from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
 from coordination.api.throttling import COUNTED_ATTRIBUTE, rate_wait_async
 from coordination.services.keys import api_key_authenticate
+from coordination.tracing import TraceContext, tracing_on
 
 # What the hot path answered (by endpoint; ``throttled``; ``refused``: a service's error) and
 # handed to the views (``careful``, after its statement touched no row; ``declined``, before
@@ -70,11 +71,17 @@ _renderer = JSONRenderer()
 
 
 def enabled() -> bool:
-    """Tell whether the hot path serves (``RUNSTATE_HOT_PATH``, PostgreSQL, fast paths on)."""
+    """Tell whether the hot path serves (``RUNSTATE_HOT_PATH``, PostgreSQL, fast paths on, this process not tracing).
+
+    A process that traces (``OTEL_*``) answers through the DRF views, whose submit is a
+    ``send`` span (``coordination/tracing.py``); the hot path stores the caller's context as
+    the view does when nothing traces.
+    """
     return (
         settings.RUNSTATE_HOT_PATH
         and getattr(settings, "RUNSTATE_FAST_PATHS", True)
         and connections.settings[DEFAULT_DB_ALIAS]["ENGINE"].endswith("postgresql")
+        and not tracing_on()
     )
 
 
@@ -127,7 +134,11 @@ class HotRouter:
         except edge.BodyTooLarge:  # as ApiASGIHandler answers it
             return await self.fallback.send_response(edge.too_large(), send)
         try:
-            call = Call(api_key, match.kwargs, self._body(endpoint, body))
+            trace = TraceContext.from_headers(
+                edge.header(scope, b"traceparent").decode("latin-1") or None,
+                edge.header(scope, b"tracestate").decode("latin-1") or None,
+            )
+            call = Call(api_key, match.kwargs, self._body(endpoint, body), trace)
             if not endpoint.accepts(call):
                 raise _Declined()
         except _Declined:

@@ -28,6 +28,7 @@ from coordination.services.claims import operations
 from coordination.services.claims.claim import Claim
 from coordination.services.mailboxes import mailbox_cached
 from coordination.states import MailboxMode, TaskState
+from coordination.tracing import NO_TRACE, TraceContext
 
 # ``hop(fn, *args)``: run ``fn`` in one request thread (ApiASGIHandler.in_thread).
 Hop = Callable[..., Awaitable[Any]]
@@ -35,11 +36,12 @@ Hop = Callable[..., Awaitable[Any]]
 
 @dataclass
 class Call:
-    """One request the hot path serves: its key, the route's arguments and the validated body."""
+    """One request the hot path serves: its key, route arguments, validated body and caller's trace context."""
 
     api_key: ApiKey
     kwargs: dict
     data: dict
+    trace: TraceContext = NO_TRACE
     mailbox: Mailbox | None = None
     run_id: Any = None
 
@@ -206,7 +208,7 @@ class Submit(Endpoint):
             expires_at=data["expiresAt"],
         )
         task, wake = task_services.submit_prepared(
-            project_id=call.project_id, mailbox=mailbox, run_id=call.run_id, spec=spec, now=now
+            project_id=call.project_id, mailbox=mailbox, run_id=call.run_id, spec=spec, now=now, trace=call.trace
         )
         rows = await db.fetch(*task_services.submit_statement(task, mailbox, now))
         if not task_services.submitted(task, rows):  # a key used before, a gate, an inactive run

@@ -12,6 +12,7 @@ from coordination.api import longpoll, waits
 from coordination.api.bodies import plain_body
 from coordination.api.serializers import ErrorOut
 from coordination.selectors import Visibility
+from coordination.tracing import TraceContext
 
 ERRORS = {
     status: OpenApiResponse(ErrorOut, description=description)
@@ -59,6 +60,14 @@ class ApiView(APIView):
         serializer = serializer_class(data=self.request.data)
         serializer.is_valid(raise_exception=True)
         return serializer.validated_data
+
+    def caller_trace(self) -> TraceContext:
+        """Return the W3C trace context of the request's ``traceparent``/``tracestate`` headers (none if invalid)."""
+        meta = self.request.META
+        traceparent = meta.get("HTTP_TRACEPARENT")
+        if traceparent is None:
+            return TraceContext()
+        return TraceContext.from_headers(traceparent, meta.get("HTTP_TRACESTATE"))
 
     def query(self, serializer_class) -> dict:
         """Validate the query string with ``serializer_class`` and return the validated data.

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
+from coordination import selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.longpoll import Answer, long_poll
 from coordination.api.presenters import present_decision, present_group, present_task
@@ -105,9 +105,11 @@ class GroupMemberSubmitView(ApiView):
         """Submit a member; ``groupState`` tells whether this submit closed the group."""
         data = self.body(s.GroupMemberSubmitIn)
         group = selectors.group_get(self.visibility, group_id)
-        task, created, group = group_services.group_submit(
-            project_id=self.project_id, group_id=group.id, input=data["input"], key=data["key"]
-        )
+        with tracing.send_span(group.mailbox.name, self.caller_trace(), run_id=group.scope_id) as (span, trace):
+            task, created, group = group_services.group_submit(
+                project_id=self.project_id, group_id=group.id, input=data["input"], key=data["key"], trace=trace
+            )
+            tracing.annotate(span, task_id=task.id, group_id=group.id)
         return _member_response(task, group, created)
 
 

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors
+from coordination import exceptions, selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.longpoll import in_request, long_poll
 from coordination.api.presenters import present_delivery, present_message
@@ -26,9 +26,16 @@ class MessageSendView(ApiView):
         data = self.body(s.MessageSendIn)
         mailbox = mailbox_get(project_id=self.project_id, name=name, mode=MailboxMode.QUEUE)
         run = selectors.run_get(self.visibility, data["runId"])
-        message, created = message_services.message_send(
-            project_id=self.project_id, mailbox=mailbox, run_id=run.id, body=data["body"], key=data["key"]
-        )
+        with tracing.send_span(mailbox.name, self.caller_trace(), run_id=run.id) as (span, trace):
+            message, created = message_services.message_send(
+                project_id=self.project_id,
+                mailbox=mailbox,
+                run_id=run.id,
+                body=data["body"],
+                key=data["key"],
+                trace=trace,
+            )
+            tracing.annotate(span, message_id=message.id)
         if not created:
             return Response(present_message(message, mailbox.name))
         return Response(

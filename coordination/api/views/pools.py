@@ -8,7 +8,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors
+from coordination import exceptions, selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.longpoll import db, in_request, long_poll
 from coordination.api.presenters import iso
@@ -178,13 +178,19 @@ class PoolLeaseCollectionView(AsyncApiView):
         if lease.state == PoolLeaseState.WAITING:
             # Woken by the grant's pool.acquired (subject: this lease) or by a run.* event of
             # the chain (a cancel answers at once); rechecked every second regardless.
-            await long_poll(
-                lambda: pool_services.pool_wait_read(lease_id=lease.id),
-                done=lambda pair: pair[1],
-                topics=[lease.id, *run.chain_ids],
-                timeout_ms=wait_ms,
-            )
-            acquired = await db(pool_services.pool_wait_end, lease_id=lease.id)
+            with tracing.span(
+                f"wait pool {name}", parent=self.caller_trace(), pool=name, run_id=run.id, units=data["units"]
+            ) as waiting:
+                await long_poll(
+                    lambda: pool_services.pool_wait_read(lease_id=lease.id),
+                    done=lambda pair: pair[1],
+                    topics=[lease.id, *run.chain_ids],
+                    timeout_ms=wait_ms,
+                )
+                acquired = await db(pool_services.pool_wait_end, lease_id=lease.id)
+                tracing.annotate(
+                    waiting, granted=acquired.refusal is None and acquired.lease.state != PoolLeaseState.WAITING
+                )
             if acquired.refusal is not None:
                 raise await db(pool_refusal_seen, visibility, project_id, name, acquired.refusal)
             lease = acquired.lease

@@ -5,7 +5,7 @@ import asyncio
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors
+from coordination import exceptions, selectors, tracing
 from coordination.api import limit_shapes as ls
 from coordination.api import serializers as s
 from coordination.api.longpoll import RECHECK_S, db, in_request
@@ -79,17 +79,22 @@ class QuotaTakeView(AsyncApiView):
                 await hub.ready()  # listening before the first take: no cancel can slip between
             loop_now = loop.time()
             outcome = await in_request(take)
-            while not outcome.granted and not outcome.final:
-                # Refill is time-based: sleep until the tokens are due, not polling meanwhile;
-                # but re-check the run at least every RECHECK_S, since a passing deadline
-                # announces itself with no event (SQLite has no NOTIFY at all: more often).
-                pause_s = min(outcome.retry_after_ms / 1000, deadline - loop.time())
-                if hub.enabled():
-                    await waiter.wait(min(pause_s, RECHECK_S))
-                else:
-                    await asyncio.sleep(max(min(pause_s, SQLITE_RECHECK_S), 0))
-                loop_now = loop.time()
-                outcome = await db(take)
+            if not outcome.granted and not outcome.final:
+                with tracing.span(
+                    f"wait quota {name}", parent=self.caller_trace(), quota=name, run_id=run.id, amount=data["amount"]
+                ) as waiting:
+                    while not outcome.granted and not outcome.final:
+                        # Refill is time-based: sleep until the tokens are due, not polling meanwhile;
+                        # but re-check the run at least every RECHECK_S, since a passing deadline
+                        # announces itself with no event (SQLite has no NOTIFY at all: more often).
+                        pause_s = min(outcome.retry_after_ms / 1000, deadline - loop.time())
+                        if hub.enabled():
+                            await waiter.wait(min(pause_s, RECHECK_S))
+                        else:
+                            await asyncio.sleep(max(min(pause_s, SQLITE_RECHECK_S), 0))
+                        loop_now = loop.time()
+                        outcome = await db(take)
+                    tracing.annotate(waiting, granted=outcome.granted)
         finally:
             if waiter is not None:
                 hub.unsubscribe(waiter)

@@ -100,7 +100,9 @@ class RunCancelView(ApiView):
         """Cancel the run: its whole subtree refuses new work and its unfinished work ends."""
         data = self.body(s.RunCancelIn)
         run = selectors.run_get(self.visibility, run_id)
-        run = run_services.run_cancel(run_id=run.id, project_id=self.project_id, reason=data.get("reason") or None)
+        run = run_services.run_cancel(
+            run_id=run.id, project_id=self.project_id, reason=data.get("reason") or None, trace=self.caller_trace()
+        )
         return Response(_present(run))
 
 
@@ -111,5 +113,5 @@ class RunCompleteView(ApiView):
     def post(self, request, run_id):
         """Complete the run: like cancel, but recorded as a normal finish."""
         run = selectors.run_get(self.visibility, run_id)
-        run = run_services.run_complete(run_id=run.id, project_id=self.project_id)
+        run = run_services.run_complete(run_id=run.id, project_id=self.project_id, trace=self.caller_trace())
         return Response(_present(run))

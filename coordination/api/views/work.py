@@ -3,7 +3,7 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors
+from coordination import exceptions, selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.longpoll import Answer, claim_long_poll, in_request, long_poll
 from coordination.api.presenters import present_claim, present_mailbox, present_task
@@ -63,16 +63,19 @@ class TaskSubmitView(ApiView):
         data = self.body(s.TaskSubmitIn)
         mailbox = mailbox_get(project_id=self.project_id, name=name, mode=MailboxMode.WORK)
         run = selectors.run_ref(self.visibility, data["runId"])
-        task, created = task_services.task_submit(
-            project_id=self.project_id,
-            mailbox=mailbox,
-            run_id=run.id,
-            input=data["input"],
-            key=data["key"],
-            priority=data["priority"],
-            max_attempts=data.get("maxAttempts"),
-            expires_at=data["expiresAt"],
-        )
+        with tracing.send_span(mailbox.name, self.caller_trace(), run_id=run.id) as (span, trace):
+            task, created = task_services.task_submit(
+                project_id=self.project_id,
+                mailbox=mailbox,
+                run_id=run.id,
+                input=data["input"],
+                key=data["key"],
+                priority=data["priority"],
+                max_attempts=data.get("maxAttempts"),
+                expires_at=data["expiresAt"],
+                trace=trace,
+            )
+            tracing.annotate(span, task_id=task.id, group_id=task.group_id)
         if not created:
             return Response(present_task(task, mailbox.name))
         return Response(present_task(task, mailbox.name), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
@@ -104,22 +107,25 @@ class TaskBatchSubmitView(ApiView):
         data = self.body(s.TaskBatchIn)
         mailbox = mailbox_get(project_id=self.project_id, name=name, mode=MailboxMode.WORK)
         run = selectors.run_ref(self.visibility, data["runId"])
-        answers = task_services.tasks_submit_many(
-            project_id=self.project_id,
-            mailbox=mailbox,
-            run_id=run.id,
-            label="tasks",
-            items=[
-                task_services.TaskSpec(
-                    input=item["input"],
-                    key=item["key"],
-                    priority=item["priority"],
-                    max_attempts=item.get("maxAttempts"),
-                    expires_at=item["expiresAt"],
-                )
-                for item in data["tasks"]
-            ],
-        )
+        with tracing.send_span(mailbox.name, self.caller_trace(), run_id=run.id) as (span, trace):
+            answers = task_services.tasks_submit_many(
+                project_id=self.project_id,
+                mailbox=mailbox,
+                run_id=run.id,
+                label="tasks",
+                items=[
+                    task_services.TaskSpec(
+                        input=item["input"],
+                        key=item["key"],
+                        priority=item["priority"],
+                        max_attempts=item.get("maxAttempts"),
+                        expires_at=item["expiresAt"],
+                    )
+                    for item in data["tasks"]
+                ],
+                trace=trace,
+            )
+            tracing.annotate(span, batch_size=len(answers))
         created = any(was_created for _, was_created in answers)
         body = {"tasks": [present_task(task, mailbox.name) for task, _ in answers]}
         return Response(body, status=201 if created else 200)

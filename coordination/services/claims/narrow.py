@@ -7,7 +7,8 @@ the same fence, lease and events (``statements``, imported and not copied), end 
 narrower ``SELECT``, and run on the connection's psycopg cursor, prepared on a connection
 as its Django cursor would be (``RUNSTATE_DB_PREPARE_THRESHOLD``):
 
-- the claim returns the task's id, run, key, input, attempt and the lease it was granted;
+- the claim returns the task's id, run, key, input, attempt, the lease it was granted and the
+  submitter's trace context;
 - the completion returns the task's new state.
 
 When a statement touches no row the service function answers instead (its careful path
@@ -46,7 +47,8 @@ def _narrowed(statement: str, select: str) -> str:
 CLAIM_BY_ID_NARROW_SQL = _narrowed(
     CLAIM_BY_ID_SQL,
     "SELECT id, run_id, key, input::text, attempts, "
-    "round(extract(epoch FROM lease_expires_at - last_renewed_at) * 1000)::int FROM done",
+    "round(extract(epoch FROM lease_expires_at - last_renewed_at) * 1000)::int, traceparent, tracestate, group_id "
+    "FROM done",
 )
 COMPLETE_NARROW_SQL = _narrowed(COMPLETE_SQL, "SELECT state FROM done")
 
@@ -61,6 +63,9 @@ class NarrowClaim:
     input: Any
     attempt: int
     lease_ttl_ms: int
+    traceparent: str = ""  # the submitter's W3C context (coordination.tracing)
+    tracestate: str = ""
+    group_id: uuid.UUID | None = None
 
     @property
     def claim_id(self) -> str:
@@ -72,7 +77,17 @@ class NarrowClaim:
         """Return the narrow view of a ``Claim``."""
         task = claim.task
         granted = claim.lease_ttl_ms or task.mailbox.lease_ttl_ms
-        return cls(task.id, task.run_id, task.key, task.input, claim.attempt, granted)
+        return cls(
+            task.id,
+            task.run_id,
+            task.key,
+            task.input,
+            claim.attempt,
+            granted,
+            task.traceparent,
+            task.tracestate,
+            task.group_id,
+        )
 
 
 def _fetchone(statement: str, params: dict) -> tuple | None:
@@ -101,8 +116,10 @@ def task_claim_by_id_narrow(
             },
         )
         if row is not None:
-            id_, run_id, key, input_json, attempt, granted_ms = row
-            return NarrowClaim(id_, run_id, key, json.loads(input_json), attempt, granted_ms)
+            id_, run_id, key, input_json, attempt, granted_ms, traceparent, tracestate, group_id = row
+            return NarrowClaim(
+                id_, run_id, key, json.loads(input_json), attempt, granted_ms, traceparent, tracestate, group_id
+            )
     claim = task_claim_by_id(
         project_id=project_id, task_id=task_id, worker_id=worker_id, lease_ttl_ms=lease_ttl_ms, mailbox_id=mailbox_id
     )

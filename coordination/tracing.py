@@ -1,0 +1,139 @@
+"""The service's side of tracing: the trace context stored with a piece of work, and its spans.
+
+A submit or send stores its caller's W3C context (``TraceContext``): the request's
+``traceparent``/``tracestate`` headers, or in-process (the Celery decorator's ``submit``)
+the current span. When this process traces (``runstate_project.tracing`` set a provider up
+from the ``OTEL_*`` variables), the submit is a ``send`` span, child of the caller's, and
+the task stores that span's context instead. Coordination has spans of its own: a cancel
+(with the counts its cascade ended), a group's finalize (its outcome), a barrier's release,
+a timer's firing, a wait for a pool, quota or budget.
+
+When nothing traces, ``span`` yields None and costs a lookup of the global provider; a
+request without a ``traceparent`` header costs the header's read.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from runstate._tracing import (
+    MAX_TRACESTATE_CHARS,
+    TRACER_NAME,
+    current_headers,
+    parent_context,
+    tracing_on,
+    valid_traceparent,
+)
+
+__all__ = ["NO_TRACE", "SpanKind", "TraceContext", "annotate", "span", "tracing_on"]
+
+# The longest ``traceparent`` kept: version 00's length (a later version's extra fields are dropped).
+TRACEPARENT_CHARS = 55
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """A W3C trace context as stored on a task or message (empty strings: none)."""
+
+    traceparent: str = ""
+    tracestate: str = ""
+
+    @classmethod
+    def from_headers(cls, traceparent: str | None, tracestate: str | None = None) -> "TraceContext":
+        """Return the context the headers carry; an invalid ``traceparent`` carries none (W3C: ignore it)."""
+        if not valid_traceparent(traceparent):
+            return NO_TRACE
+        assert traceparent is not None
+        state = tracestate or ""
+        if len(state) > MAX_TRACESTATE_CHARS:
+            state = ""  # W3C: a list too long may be dropped; cutting it could split an entry
+        return cls(traceparent[:TRACEPARENT_CHARS], state)
+
+    @classmethod
+    def current(cls) -> "TraceContext":
+        """Return the current span's context in this process (none when no span is active)."""
+        headers = current_headers()
+        return cls(headers["traceparent"], headers.get("tracestate", "")) if headers else NO_TRACE
+
+    def __bool__(self) -> bool:
+        return bool(self.traceparent)
+
+    @property
+    def trace_id(self) -> str:
+        """Return the trace id (32 hex digits), or an empty string when there is no context."""
+        return self.traceparent.split("-")[1] if self.traceparent else ""
+
+
+NO_TRACE = TraceContext()
+
+
+def _attributes(operation: str | None, mailbox: str | None, values: dict[str, Any]) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"messaging.system": "runstate"}
+    if operation is not None:
+        attributes["messaging.operation.type"] = operation
+    if mailbox is not None:
+        attributes["messaging.destination.name"] = mailbox
+    for name, value in values.items():
+        if value is not None:
+            attributes[f"runstate.{name}"] = str(value) if not isinstance(value, bool | int | float | str) else value
+    return attributes
+
+
+@contextmanager
+def span(
+    name: str,
+    *,
+    operation: str | None = None,
+    mailbox: str | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: TraceContext | None = None,
+    **attributes: Any,
+) -> Iterator[Any]:
+    """Run the block in a span named ``name`` (a child of ``parent`` when given); yield it, or None when off.
+
+    ``attributes`` become ``runstate.<name>`` (``run_id``, ``task_id``...); ``operation`` and
+    ``mailbox`` the messaging conventions' ``messaging.operation.type`` and
+    ``messaging.destination.name``.
+    """
+    if not tracing_on():
+        yield None
+        return
+    context = parent_context(parent.traceparent, parent.tracestate) if parent else None
+    with trace.get_tracer(TRACER_NAME).start_as_current_span(
+        name, context=context, kind=kind, attributes=_attributes(operation, mailbox, attributes)
+    ) as current:
+        yield current
+
+
+def record_span(name: str, *, started_ns: int | None = None, **attributes: Any) -> None:
+    """Record a span of something already done (from ``started_ns``, ``time.time_ns()``, to now), when tracing.
+
+    For what is worth a span only once it happened: a sweep that fired timers, an arrival
+    that released a barrier.
+    """
+    if not tracing_on():
+        return
+    tracer = trace.get_tracer(TRACER_NAME)
+    tracer.start_span(name, start_time=started_ns, attributes=_attributes(None, None, attributes)).end()
+
+
+def annotate(current: Any, **attributes: Any) -> None:
+    """Set ``runstate.<name>`` attributes on ``current`` (a span ``span`` yielded, or None)."""
+    if current is not None and current.is_recording():
+        current.set_attributes(_attributes(None, None, attributes))
+
+
+@contextmanager
+def send_span(mailbox: str, caller: TraceContext, **attributes: Any) -> Iterator[tuple[Any, TraceContext]]:
+    """Trace a submit or send to ``mailbox``; yield the span and the context to store with the work.
+
+    The stored context is the ``send`` span's when this process traces, otherwise the caller's.
+    """
+    with span(
+        f"send {mailbox}", operation="send", mailbox=mailbox, kind=SpanKind.PRODUCER, parent=caller, **attributes
+    ) as current:
+        yield current, (TraceContext.current() if current is not None else caller)
