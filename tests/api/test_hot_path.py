@@ -99,8 +99,8 @@ def complete(state, body=b'{"outcome": {"ok": true}}', **kwargs):
     return request(f"/v1/claims/{state.claim_id}/complete", body, state.key, **kwargs)
 
 
-def request(path, body, key, *, content_type="application/json", accept=None, auth=None):
-    headers = {}
+def request(path, body, key, *, content_type="application/json", accept=None, auth=None, extra=None):
+    headers = dict(extra or {})
     if key is not None:
         headers["Authorization"] = auth or f"Bearer {key}"
     if body is not None:
@@ -115,8 +115,12 @@ def claims(state, body: dict | bytes, key=None):
     return request("/v1/mailboxes/work/claims", raw, key or state.key)
 
 
-def submit(state, body: dict, key=None):
-    return request("/v1/mailboxes/work/tasks", json.dumps(body).encode(), key or state.key)
+def submit(state, body: dict, key=None, extra=None):
+    return request("/v1/mailboxes/work/tasks", json.dumps(body).encode(), key or state.key, extra=extra)
+
+
+# A W3C trace context as a caller sends it (issue 29): the task stores it and its claim answers it.
+TRACED = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "vendor=1"}
 
 
 def lost(state) -> str:
@@ -187,6 +191,14 @@ CASES = {
     "submit foreign key": lambda s: [submit(s, {"runId": s.run_id}, key=s.foreign_key)],
     "submit bound key": lambda s: [submit(s, {"runId": s.run_id}, key=s.bound_key)],
     "submit without a key": lambda s: [request("/v1/mailboxes/work/tasks", b"{}", None)],
+    "submit with a trace context, then claim it": lambda s: [
+        submit(s, {"runId": s.run_id, "priority": 9}, extra=TRACED),
+        claims(s, {"runId": s.run_id}),
+    ],
+    "submit with an invalid traceparent": lambda s: [
+        submit(s, {"runId": s.run_id, "priority": 9}, extra={"traceparent": "00-nonsense"}),
+        claims(s, {"runId": s.run_id}),
+    ],
 }
 
 # Values that differ between two fresh states by construction.
@@ -247,6 +259,8 @@ def api_process(settings, transactional_db):
 
 # The cases the hot path answers itself (the rest it hands to DRF before anything).
 SERVED_BY_HOT = {
+    "submit with a trace context, then claim it",
+    "submit with an invalid traceparent",
     "complete",
     "complete null outcome",
     "complete accept json",
@@ -358,3 +372,13 @@ def test_a_request_that_finds_no_pooled_connection_is_answered_by_the_view(api_p
     assert answer.status_code == 200, answer.content
     assert answer.json()["state"] == "SUCCEEDED"
     assert hot.SERVED["careful"] == careful + 1
+
+
+def test_a_submit_on_the_hot_path_stores_the_callers_trace_context(api_process):
+    answers, served = answered(api_process, True, CASES["submit with a trace context, then claim it"])
+    assert served == 2
+    (_, _, _), (status, body, _) = answers
+    assert status == 200
+    claimed = json.loads(body)["claims"]
+    assert [c["traceparent"].split("-")[2] for c in claimed] == ["b7ad6b7169203331"]
+    assert [c["tracestate"] for c in claimed] == ["vendor=1"]
