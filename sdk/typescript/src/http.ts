@@ -6,9 +6,13 @@
  * must never repeat an effect. Reads, ensures and state transitions that answer the same on
  * repetition retry on network errors and 429/502/503/504; creates, claims, receives and
  * submits or sends without an idempotency key never do.
+ *
+ * Every call carries the active OpenTelemetry span's `traceparent` (`tracing.ts`), when there
+ * is one.
  */
 
 import { RunstateError, TimeoutError, TransportError, errorFromResponse, retryAfterMs } from './errors.js';
+import { traceHeaders } from './tracing.js';
 
 export const SDK_VERSION = '0.1.0';
 export const DEFAULT_URL = 'http://127.0.0.1:8000';
@@ -175,10 +179,12 @@ export class Http {
   /** Send one call and return its decoded JSON answer; throw the mapped error otherwise. */
   async request<T>(method: string, path: string, options: RequestOptions): Promise<T> {
     const url = this.url(path, options.query);
-    const init: RequestInit = { method, headers: this.headers() };
+    // The active span's context (a submit's, a send's: the service stores it on the work).
+    const trace = traceHeaders();
+    const init: RequestInit = { method, headers: this.headers(trace) };
     if (options.body !== undefined) {
       init.body = JSON.stringify(options.body);
-      init.headers = this.headers({ 'Content-Type': 'application/json' });
+      init.headers = this.headers({ ...trace, 'Content-Type': 'application/json' });
     }
     const timeoutMs = this.config.timeoutMs + (options.waitMs ?? 0);
     let retries = 0;

@@ -10,6 +10,9 @@
  * deadline) or `LEASE_LOST`, the delivery is lost: its context's signal aborts, nothing more
  * is sent for it, and the summary counts it. A promise cannot be cancelled: the loop stops
  * waiting for a lost handler and drops its result; pass `context.signal` to your I/O.
+ *
+ * Traced as the task loop is (`tracing.ts`): a `process` span, child of the sender's
+ * (the delivery's `traceparent`), around the handler, and a `settle` span for its answer.
  */
 
 import { ScopeInactiveError } from './errors.js';
@@ -23,9 +26,11 @@ import {
   isTransient,
   settle,
   type HeldItem,
+  type Settled,
   type LoopOptions,
   type LoopSummary,
 } from './loop.js';
+import { ProcessSpan } from './tracing.js';
 import type { DeliveryData, MessageData } from './types.js';
 import { Delivery, Messages } from './work.js';
 
@@ -127,6 +132,8 @@ interface Held extends HeldItem {
   readonly context: MessageContext<unknown>;
   /** When the visibility runs out at the latest, by this process's clock. */
   visibleUntil: number;
+  /** The handler's `process` span (`null` when nothing traces). */
+  readonly span: ProcessSpan | null;
 }
 
 type Counter = 'completed' | 'retried' | 'rejected';
@@ -194,6 +201,13 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
       delivery,
       context: new MessageContext<unknown>(delivery),
       visibleUntil: Date.now() + this.leaseMs,
+      span: ProcessSpan.start(this.mailbox, {
+        traceparent: delivery.data.traceparent,
+        tracestate: delivery.data.tracestate,
+        runId: this.runId,
+        messageId: delivery.messageId,
+        attempt: delivery.attempt,
+      }),
       ...freshHeld(),
     };
     this.held.set(delivery.id, held);
@@ -205,7 +219,9 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
       const keeping = new AbortController();
       const keeper = this.keepVisible(held, keeping.signal);
       const handler = this.handler;
-      const settled = await Promise.race([settle(() => handler(held.context)), held.dropped.then(() => null)]);
+      const call = (): Promise<Settled> => settle(() => handler(held.context));
+      const running = held.span ? held.span.run(call) : call();
+      const settled = await Promise.race([running, held.dropped.then(() => null)]);
       keeping.abort();
       await keeper; // an extend in flight decides whether the delivery is still held
       if (settled === null || held.lost || held.abandoned) {
@@ -215,14 +231,17 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
       held.recording = true;
       const { delivery } = held;
       if (settled.ok) {
-        await this.answer(held, delivery.complete(), 'completed');
+        await this.answer(held, () => delivery.complete(), 'completed');
       } else if (settled.error instanceof Reject) {
-        await this.answer(held, delivery.reject(settled.error.reason === null ? {} : { reason: settled.error.reason }), 'rejected');
+        const { reason } = settled.error;
+        await this.answer(held, () => delivery.reject(reason === null ? {} : { reason }), 'rejected');
       } else {
         this.log('warn', `message ${delivery.messageId} attempt ${delivery.attempt} failed: ${String(settled.error)}`);
-        await this.answer(held, delivery.retry({ delayMs: this.retryDelayMs }), 'retried');
+        held.span?.fail(settled.error);
+        await this.answer(held, () => delivery.retry({ delayMs: this.retryDelayMs }), 'retried');
       }
     } finally {
+      held.span?.end();
       this.held.delete(held.delivery.id);
       this.wake();
     }
@@ -265,11 +284,11 @@ export class MessageWorker extends FetchLoop<Delivery, Held, MessageSummary> {
     }
   }
 
-  /** Send the handler's answer; count what became of the message (the server may dead-letter a retry). */
-  private async answer(held: Held, call: Promise<MessageData>, counter: Counter): Promise<void> {
+  /** Send the handler's answer (in a `settle` span when traced); count what became of the message (the server may dead-letter a retry). */
+  private async answer(held: Held, call: () => Promise<MessageData>, counter: Counter): Promise<void> {
     let message: MessageData;
     try {
-      message = await call;
+      message = await (held.span ? held.span.settle(counter, call) : call());
     } catch (error) {
       this.summary.lost += 1;
       held.context.markLost(error instanceof ScopeInactiveError ? 'scope_refused' : 'lease_lost');

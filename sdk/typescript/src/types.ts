@@ -73,6 +73,10 @@ export interface ClaimData {
   leaseExpiresAt: string;
   cancellationRequested?: boolean;
   task: TaskData;
+  /** The submitter's W3C `traceparent` (`null` when it sent none); the worker's `process` span is its child. */
+  traceparent?: string | null;
+  /** The submitter's W3C `tracestate` (`null` when it sent none). */
+  tracestate?: string | null;
 }
 
 export interface MessageData {
@@ -98,6 +102,10 @@ export interface DeliveryData {
   body: JsonValue;
   attempt: number;
   visibleUntil: string | null;
+  /** The sender's W3C `traceparent` (`null` when it sent none); the message loop's `process` span is its child. */
+  traceparent?: string | null;
+  /** The sender's W3C `tracestate` (`null` when it sent none). */
+  tracestate?: string | null;
 }
 
 export interface GroupMember {

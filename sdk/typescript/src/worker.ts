@@ -9,6 +9,10 @@
  *
  * The fetch loop, stopping (`SIGTERM`, `stop()`, draining) and the context's signal are
  * `loop.ts`'s, shared with the message loop (`message-worker.ts`).
+ *
+ * With `@opentelemetry/api` installed and a tracer provider registered, each handler runs in
+ * a `process` span, the child of the submitter's (the claim's `traceparent`), and recording
+ * its result is a `settle` span under it (`tracing.ts`).
  */
 
 import { hostname } from 'node:os';
@@ -24,9 +28,11 @@ import {
   isTransient,
   settle,
   type HeldItem,
+  type Settled,
   type LoopOptions,
   type LoopSummary,
 } from './loop.js';
+import { ProcessSpan } from './tracing.js';
 import type { TaskData } from './types.js';
 import { Claim, MAX_CLAIM_BATCH, Tasks, type ClaimResult } from './work.js';
 
@@ -120,6 +126,8 @@ interface Held extends HeldItem {
   readonly claim: Claim;
   readonly context: TaskContext<unknown>;
   leaseUntil: number;
+  /** The handler's `process` span (`null` when nothing traces). */
+  readonly span: ProcessSpan | null;
 }
 
 /** Return the failure record of a handler's error. */
@@ -206,6 +214,14 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
       claim,
       context,
       leaseUntil: Date.now() + this.leaseMs,
+      span: ProcessSpan.start(this.mailbox, {
+        traceparent: claim.data.traceparent,
+        tracestate: claim.data.tracestate,
+        runId: this.runId,
+        taskId: claim.taskId,
+        attempt: claim.attempt,
+        groupId: claim.task.groupId,
+      }),
       ...freshHeld(),
     };
     this.held.set(claim.id, held);
@@ -218,13 +234,14 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
       if (invalid !== undefined) {
         held.recording = true;
         const error = { ...describeError(invalid), type: 'InputValidationError' };
-        await this.record(held, held.claim.fail(error, { retry: false }), true);
+        held.span?.fail(invalid);
+        await this.record(held, 'fail', () => held.claim.fail(error, { retry: false }), true);
         return;
       }
       const handler = this.handler;
-      const running = settle(() =>
-        definition ? definition.run(held.context.input, held.context) : (handler as Handler)(held.context),
-      );
+      const call = (): Promise<Settled> =>
+        settle(() => (definition ? definition.run(held.context.input, held.context) : (handler as Handler)(held.context)));
+      const running = held.span ? held.span.run(call) : call();
       const settled = await Promise.race([running, held.dropped.then(() => null)]);
       if (settled === null || held.lost || held.abandoned) {
         // The claim is gone (counted by lose()) or released by shutdown(): the result cannot count.
@@ -233,7 +250,8 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
       held.recording = true;
       if (!settled.ok) {
         this.log('warn', `task ${held.claim.taskId} attempt ${held.claim.attempt} failed: ${String(settled.error)}`);
-        await this.record(held, held.claim.fail(describeError(settled.error), { retry: true }), true);
+        held.span?.fail(settled.error);
+        await this.record(held, 'fail', () => held.claim.fail(describeError(settled.error), { retry: true }), true);
         return;
       }
       const outcome = settled.value === undefined ? null : settled.value;
@@ -241,21 +259,34 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
         JSON.stringify(outcome);
       } catch (error) {
         const message = `The handler's return value is not JSON: ${String(error)}`;
-        await this.record(held, held.claim.fail({ type: 'TypeError', message }, { retry: false }), true);
+        held.span?.fail(error);
+        await this.record(held, 'fail', () => held.claim.fail({ type: 'TypeError', message }, { retry: false }), true);
         return;
       }
-      await this.record(held, this.complete(held.claim, outcome), false);
+      await this.record(held, 'complete', () => this.complete(held.claim, outcome), false);
     } finally {
+      held.span?.end();
       this.held.delete(held.claim.id);
       this.wake();
     }
   }
 
-  private async record(held: Held, call: Promise<TaskData | ClaimResult>, failed: boolean): Promise<void> {
+  /** Send the result (`call`, in a `settle` span when the handler's is traced) and count it. */
+  private async record(
+    held: Held,
+    outcome: 'complete' | 'fail',
+    call: () => Promise<TaskData | ClaimResult>,
+    failed: boolean,
+  ): Promise<void> {
     let error: unknown = null;
+    const recorded = async (): Promise<TaskData | ClaimResult> => {
+      const answer = await call();
+      // A refusal inside a batch's answer is the settle's failure too.
+      if ('ok' in answer && !answer.ok) throw answer.error ?? new RunstateError('not recorded');
+      return answer;
+    };
     try {
-      const answer = await call;
-      if ('ok' in answer && !answer.ok) error = answer.error;
+      await (held.span ? held.span.settle(outcome, recorded) : recorded());
     } catch (thrown) {
       error = thrown;
     }
