@@ -11,6 +11,7 @@ immediate`` (as a crash), and after a moment with no primary the standby is prom
 - the ledger holds (``tests/reliability/ledger.py``): every acknowledged submit and complete is
   in the promoted database, no task finished twice, nothing accepted under a run after its
   cancel was acknowledged;
+- an event cursor read across the switch (``GET /v1/events``) sees every stored event once;
 - the service resumes: a submit and a complete acknowledged after the promotion, within 30 s
   of it (the figure is printed, ``-s``, and recorded in docs/deploy.md).
 
@@ -87,6 +88,9 @@ class Failover:
         self.api: subprocess.Popen | None = None
         self.key = ""
         self.work_run = ""
+        self.events_read: list[tuple[int, str]] = []  # (event id, phase when read) by the cursor reader
+        self.events_done = threading.Event()
+        self.reader: threading.Thread | None = None
         self.phase = "before"
         self.ledger = Ledger(path=log_dir / "ledger.jsonl", source="failover")
         self.answers: list[tuple[str, str, str, int | None, str | None]] = []  # op, started, ended, status, code
@@ -250,12 +254,42 @@ class Failover:
                 m += 1
                 self.pause(late)
 
+    def event_reader(self) -> None:
+        """Page through the event log by cursor across the switch until the load is over and a page is empty."""
+        with self.client() as client:
+            cursor = None
+            while True:
+                finished = self.events_done.is_set()
+                params = {"limit": 100, "waitMs": 0 if finished else 500, **({"after": cursor} if cursor else {})}
+                try:
+                    response = client.get("/v1/events", params=params)
+                except httpx.TransportError:
+                    response = None
+                if response is None or response.status_code != 200:
+                    status = response.status_code if response is not None else None
+                    try:
+                        code = response.json()["error"]["code"] if response is not None else None
+                    except (ValueError, KeyError, TypeError):
+                        code = "<no envelope>"
+                    with self.lock:
+                        self.answers.append(("events", self.phase, self.phase, status, code))
+                    time.sleep(0.2)
+                    continue
+                page = response.json()
+                with self.lock:
+                    self.events_read += [(int(e["id"].rsplit("-", 1)[1]), self.phase) for e in page["events"]]
+                cursor = page["nextCursor"] or cursor
+                if finished and not page["events"]:
+                    return
+
     def start_load(self) -> None:
         with self.client() as client:
             self.work_run = self.new_run(client, "work")  # the submitters' and claimers' run
         assert self.work_run
         roles = [self.submitter] * 5 + [self.claimer] * 5 + [self.canceller] * 2
         assert len(roles) == CLIENTS
+        self.reader = threading.Thread(target=self.event_reader, name="failover-events", daemon=True)
+        self.reader.start()
         for index, target in enumerate(roles):
             thread = threading.Thread(target=target, args=(index,), name=f"failover-{index}", daemon=True)
             thread.start()
@@ -266,6 +300,9 @@ class Failover:
         for thread in self.threads:
             thread.join(REQUEST_TIMEOUT_S + 10)
         assert not any(thread.is_alive() for thread in self.threads), "a client thread hangs"
+        self.events_done.set()
+        self.reader.join(60)
+        assert not self.reader.is_alive(), "the event reader hangs"
 
     def count(self, op: str, after: float = float("-inf")) -> int:
         with self.lock:
@@ -342,6 +379,14 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
     with psycopg.connect(pair.standby.url(), autocommit=True) as conn:
         (project_id,) = conn.execute("SELECT id::text FROM coordination_project WHERE name = %s", [PROJECT]).fetchone()
         assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+        stored = {i for (i,) in conn.execute("SELECT id FROM coordination_event WHERE project_id = %s", [project_id])}
+
+    # The event cursor read across the switch saw every event once (none skipped, none twice).
+    read = Counter(i for i, _ in failover.events_read)
+    assert [i for i, n in read.items() if n > 1] == []
+    assert set(read) == stored, f"missing {sorted(stored - set(read))[:20]}, extra {sorted(set(read) - stored)[:20]}"
+    read_by_phase = Counter(phase for _, phase in failover.events_read)
+    assert read_by_phase["before"] and read_by_phase["after"], read_by_phase
     checked = subprocess.run(
         [sys.executable, "-c", LEDGER_CHECK, str(failover.ledger.path), project_id],
         cwd=ROOT,
@@ -357,5 +402,6 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
         f"acknowledged submit came {first_submit - promoted_at:.2f} s later, the first complete "
         f"{first_complete - promoted_at:.2f} s later; answers while down {Counter(a[3] for a in down)}; "
         f"acknowledged: {failover.count('submit')} submits, {failover.count('complete')} completes, "
-        f"{failover.count('cancel_run')} run cancels; ledger {checked.stdout.strip().splitlines()[-1]}"
+        f"{failover.count('cancel_run')} run cancels; events read by cursor {len(read)} "
+        f"(by phase {dict(read_by_phase)}); ledger {checked.stdout.strip().splitlines()[-1]}"
     )
