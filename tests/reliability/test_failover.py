@@ -11,6 +11,8 @@ immediate`` (as a crash), and after a moment with no primary the standby is prom
 - the ledger holds (``tests/reliability/ledger.py``): every acknowledged submit and complete is
   in the promoted database, no task finished twice, nothing accepted under a run after its
   cancel was acknowledged;
+- a group wait (long-poll) that spanned the switch sees the group's one decision, made once on
+  the new primary;
 - an event cursor read across the switch (``GET /v1/events``) sees every stored event once;
 - the service resumes: a submit and a complete acknowledged after the promotion, within 30 s
   of it (the figure is printed, ``-s``, and recorded in docs/deploy.md).
@@ -44,6 +46,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "failover"
 MAILBOX = "failover-work"
+GROUP_MAILBOX = "failover-group"  # claimed only once the standby is promoted
+GROUP_MEMBERS = 4
 CLIENTS = 12  # submitters, claimers and cancellers together
 REQUEST_TIMEOUT_S = 15.0
 NO_PRIMARY_FOR_S = 2.0
@@ -91,6 +95,8 @@ class Failover:
         self.events_read: list[tuple[int, str]] = []  # (event id, phase when read) by the cursor reader
         self.events_done = threading.Event()
         self.reader: threading.Thread | None = None
+        self.group_waits: list[tuple[str, int | None]] = []  # (phase when asked, status)
+        self.group_decisions: list[dict] = []
         self.phase = "before"
         self.ledger = Ledger(path=log_dir / "ledger.jsonl", source="failover")
         self.answers: list[tuple[str, str, str, int | None, str | None]] = []  # op, started, ended, status, code
@@ -282,6 +288,63 @@ class Failover:
                 if finished and not page["events"]:
                     return
 
+    def open_group(self, members: int) -> dict:
+        """Create an ALL_TERMINAL group of ``members`` members on its own mailbox and submit them."""
+        with self.client() as client:
+            assert client.put(f"/v1/mailboxes/{GROUP_MAILBOX}", json={"mode": "WORK"}).status_code in (200, 201)
+            body = {"mailbox": GROUP_MAILBOX, "condition": "ALL_TERMINAL", "expectedMembers": members}
+            response = client.post("/v1/groups", json=body)
+            assert response.status_code == 201, response.text
+            group = response.json()
+            for k in range(members):
+                member = client.post(f"/v1/groups/{group['id']}/members", json={"input": {"k": k}, "key": f"m{k}"})
+                assert member.status_code == 201, member.text
+        return group
+
+    def group_waiter(self, group_id: str) -> None:
+        """Long-poll the group's decision across the switch until it is finalized."""
+        with self.client() as client:
+            while True:
+                phase = self.phase
+                try:
+                    response = client.get(f"/v1/groups/{group_id}/wait", params={"timeoutMs": 3000})
+                except httpx.TransportError:
+                    response = None
+                status = response.status_code if response is not None else None
+                with self.lock:
+                    self.group_waits.append((phase, status))
+                if status == 200 and response.json()["state"] == "FINALIZED":
+                    with self.lock:
+                        self.group_decisions.append(response.json())
+                    return
+                if status != 200:
+                    time.sleep(0.2)
+
+    def finish_group(self, group: dict) -> None:
+        """Claim the group's members on its gate run, complete and accept them (on the new primary)."""
+        with self.client() as client:
+            done = 0
+            deadline = time.monotonic() + 30
+            while done < group["expectedMembers"] and time.monotonic() < deadline:
+                body = {"runId": group["scopeId"], "workerId": "group", "max": 10, "waitMs": 500}
+                started_ns = time.monotonic_ns()
+                response = self.call(client, "claim", "POST", f"/v1/mailboxes/{GROUP_MAILBOX}/claims", json=body)
+                claims = response.json()["claims"] if response is not None and response.status_code == 200 else []
+                self.record(
+                    "claim", response, started_ns, run_id=group["scopeId"], claim_ids=[c["claimId"] for c in claims]
+                )
+                for claim in claims:
+                    started_ns = time.monotonic_ns()
+                    path = f"/v1/claims/{claim['claimId']}/complete"
+                    answer = self.call(client, "complete", "POST", path, json={"outcome": "member"})
+                    told = {"state": "SUCCEEDED"} if answer is not None and answer.status_code == 200 else {}
+                    if self.record("complete", answer, started_ns, claim_id=claim["claimId"], outcome="member", **told):
+                        # ALL_TERMINAL waits for a verdict on every success (DESIGN.md, groups).
+                        verdict = client.post(f"/v1/groups/{group['id']}/members/{claim['task']['id']}/accept")
+                        assert verdict.status_code == 200, verdict.text
+                        done += 1
+            assert done == group["expectedMembers"], f"{done} of {group['expectedMembers']} members completed"
+
     def start_load(self) -> None:
         with self.client() as client:
             self.work_run = self.new_run(client, "work")  # the submitters' and claimers' run
@@ -326,6 +389,9 @@ def failover(throwaway_redis, tmp_path):  # noqa: F811 - pytest fixture
 
 def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes(failover):
     pair = failover.pair
+    group = failover.open_group(GROUP_MEMBERS)
+    waiter = threading.Thread(target=failover.group_waiter, args=(group["id"],), name="failover-group", daemon=True)
+    waiter.start()
     failover.start_load()
     try:
         wait_until(
@@ -362,7 +428,12 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
         with failover.lock:
             first_submit = min(at for at in failover.acknowledged_at["submit"] if at > promoted_at)
             first_complete = min(at for at in failover.acknowledged_at["complete"] if at > promoted_at)
-        time.sleep(1.0)  # a little more load on the new primary
+        failover.finish_group(group)  # the group is decided on the new primary
+        waiter.join(30)
+        if waiter.is_alive():
+            with failover.client() as client:
+                seen = client.get(f"/v1/groups/{group['id']}").text
+            raise AssertionError(f"the group wait never saw the decision: {seen}\n{failover.group_waits[-5:]}")
     finally:
         failover.stop_load()
     assert failover.api.poll() is None, failover.api_log()
@@ -379,7 +450,18 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
     with psycopg.connect(pair.standby.url(), autocommit=True) as conn:
         (project_id,) = conn.execute("SELECT id::text FROM coordination_project WHERE name = %s", [PROJECT]).fetchone()
         assert conn.execute("SELECT pg_is_in_recovery()").fetchone() == (False,)
+        finalized = conn.execute(
+            "SELECT count(*) FROM coordination_event WHERE type = 'group.finalized' AND subject_id = %s", [group["id"]]
+        ).fetchone()[0]
         stored = {i for (i,) in conn.execute("SELECT id FROM coordination_event WHERE project_id = %s", [project_id])}
+
+    # The group wait that spanned the switch saw the one decision, and it was made once.
+    waits_by_phase = Counter(phase for phase, _ in failover.group_waits)
+    # Asked before the primary died, again while it was gone or being replaced; decided after.
+    assert waits_by_phase["before"] and (waits_by_phase["down"] or waits_by_phase["promoting"]), waits_by_phase
+    assert len(failover.group_decisions) == 1
+    decision = failover.group_decisions[0]
+    assert (decision["state"], decision["outcome"], finalized) == ("FINALIZED", "SUCCESS", 1), (decision, finalized)
 
     # The event cursor read across the switch saw every event once (none skipped, none twice).
     read = Counter(i for i, _ in failover.events_read)
@@ -403,5 +485,6 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
         f"{first_complete - promoted_at:.2f} s later; answers while down {Counter(a[3] for a in down)}; "
         f"acknowledged: {failover.count('submit')} submits, {failover.count('complete')} completes, "
         f"{failover.count('cancel_run')} run cancels; events read by cursor {len(read)} "
-        f"(by phase {dict(read_by_phase)}); ledger {checked.stdout.strip().splitlines()[-1]}"
+        f"(by phase {dict(read_by_phase)}); group waits by phase {dict(waits_by_phase)}; "
+        f"ledger {checked.stdout.strip().splitlines()[-1]}"
     )
