@@ -48,7 +48,7 @@ PROJECT = "failover"
 MAILBOX = "failover-work"
 GROUP_MAILBOX = "failover-group"  # claimed only once the standby is promoted
 GROUP_MEMBERS = 4
-CLIENTS = 12  # submitters, claimers and cancellers together
+CLIENTS = 20  # submitters, claimers and cancellers together, as the issue names
 REQUEST_TIMEOUT_S = 15.0
 NO_PRIMARY_FOR_S = 2.0
 RESUME_LIMIT_S = 30.0
@@ -349,7 +349,7 @@ class Failover:
         with self.client() as client:
             self.work_run = self.new_run(client, "work")  # the submitters' and claimers' run
         assert self.work_run
-        roles = [self.submitter] * 5 + [self.claimer] * 5 + [self.canceller] * 2
+        roles = [self.submitter] * 8 + [self.claimer] * 8 + [self.canceller] * 4
         assert len(roles) == CLIENTS
         self.reader = threading.Thread(target=self.event_reader, name="failover-events", daemon=True)
         self.reader.start()
