@@ -13,6 +13,7 @@ immediate`` (as a crash), and after a moment with no primary the standby is prom
   cancel was acknowledged;
 - a group wait (long-poll) that spanned the switch sees the group's one decision, made once on
   the new primary;
+- the API's LISTEN hub listens on the new primary, without a restart;
 - an event cursor read across the switch (``GET /v1/events``) sees every stored event once;
 - the service resumes: a submit and a complete acknowledged after the promotion, within 30 s
   of it (the figure is printed, ``-s``, and recorded in docs/deploy.md).
@@ -445,6 +446,15 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
     with failover.lock:
         unexpected = [a for a in failover.answers if a[3] is None or (a[3] >= 500 and a[3] != 503)]
     assert unexpected == [], f"{Counter((a[0], a[3], a[4]) for a in unexpected)}\n{failover.api_log()}"
+
+    # The API's LISTEN hub found the new primary by itself: its session listens there.
+    def listening() -> bool:
+        with psycopg.connect(pair.standby.url(), autocommit=True) as conn:
+            return (
+                conn.execute("SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN runstate'").fetchone()[0] >= 1
+            )
+
+    wait_until(listening, timeout_s=30, what="the LISTEN hub to reconnect to the promoted standby")
 
     # The promoted standby, reached through the same multi-host URL, holds to the ledger.
     with psycopg.connect(pair.standby.url(), autocommit=True) as conn:
