@@ -2,10 +2,11 @@
 
 import os
 
-import dj_database_url
 from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
+
+from runstate_project import dburl
 
 
 @register(Tags.security, deploy=True)
@@ -72,7 +73,7 @@ def database_route_errors() -> list[Error]:
                 id="runstate.E002",
             )
         )
-    if _route(settings.RUNSTATE_LISTEN_DATABASE) == _route(dj_database_url.parse(settings.DATABASE_URL)):
+    if _route(settings.RUNSTATE_LISTEN_DATABASE) == _route(dburl.parse(settings.DATABASE_URL)):
         errors.append(
             Error(
                 "RUNSTATE_DB_POOLER=transaction and the LISTEN connection goes through the same pooler "

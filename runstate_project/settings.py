@@ -11,8 +11,9 @@ import os
 import secrets
 from pathlib import Path
 
-import dj_database_url
 from django.utils.csp import CSP
+
+from runstate_project import dburl
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("RUNSTATE_VAR_DIR", BASE_DIR / "var"))
@@ -183,7 +184,7 @@ DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
     # Health checks: a connection that died with the server (a restart) is replaced before
     # use, by the pool's check or, for a persistent connection (workers), at the start of a task.
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
+    DATABASES = {"default": dburl.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)}
     # Server-side binding lets psycopg prepare a statement after it has run this many times on
     # a connection ("off": never): the hot single statements are then planned once per
     # connection instead of on every call (docs/benchmarks.md has the measurement). Turn it
@@ -228,7 +229,7 @@ if DATABASE_URL:
     # transaction mode it goes to PostgreSQL directly (or through a session-mode pool).
     # Default: DATABASE_URL.
     RUNSTATE_LISTEN_DATABASE_URL = os.environ.get("RUNSTATE_LISTEN_DATABASE_URL", "").strip() or DATABASE_URL
-    RUNSTATE_LISTEN_DATABASE = dj_database_url.parse(RUNSTATE_LISTEN_DATABASE_URL)
+    RUNSTATE_LISTEN_DATABASE = dburl.parse(RUNSTATE_LISTEN_DATABASE_URL)
 else:
     DATABASES = {
         "default": {

@@ -169,3 +169,75 @@ def pgbouncer_in_front(*, pool_mode: str = "transaction", pool_size: int = 10) -
     finally:
         bouncer.destroy()
         server.destroy()
+
+
+# A primary and its synchronous streaming standby -------------------------------------------
+
+STANDBY_NAME = "standby1"
+
+
+class StreamingPair:
+    """A primary and a synchronous streaming standby (``docs/deploy.md``, "Failover to a standby").
+
+    The primary runs with ``synchronous_standby_names`` naming the standby and
+    ``synchronous_commit=on``: a commit is acknowledged only once the standby has flushed its
+    WAL, so a promotion loses nothing that was acknowledged. The standby is made with
+    ``pg_basebackup -R`` (it streams from the primary as ``STANDBY_NAME``) and runs without
+    ``synchronous_standby_names``, so once promoted it commits alone. ``url()`` names both
+    hosts with ``target_session_attrs=read-write``: a connection lands on whichever is primary.
+    """
+
+    def __init__(self) -> None:
+        self.primary = ThrowawayPostgres(synchronous_commit="on")
+        self.standby = ThrowawayPostgres(synchronous_commit="on")
+
+    @property
+    def database(self) -> str:
+        return self.primary.database
+
+    def start(self) -> None:
+        """Create the primary and its database, then the standby; wait until it replicates synchronously."""
+        self.primary.init()
+        self.standby.init_standby_of(self.primary, application_name=STANDBY_NAME)
+        # Named only now: with it set and no standby connected, every commit (the database's
+        # creation included) would wait for one. ALTER SYSTEM lands in postgresql.auto.conf,
+        # which pg_basebackup has already copied, so the standby keeps none once promoted.
+        with psycopg.connect(self.primary.url("postgres"), autocommit=True) as conn:
+            conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'")
+            conn.execute("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + 60
+        while self.sync_state() != "sync":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the standby never became synchronous:\n{self.standby.log()}")
+            time.sleep(0.1)
+
+    def sync_state(self) -> str | None:
+        """Return the standby's ``sync_state`` as the primary sees it (None: not streaming)."""
+        with psycopg.connect(self.primary.url("postgres"), autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT sync_state FROM pg_stat_replication WHERE application_name = %s", [STANDBY_NAME]
+            ).fetchone()
+        return row[0] if row else None
+
+    def url(self, database: str | None = None, **query: str) -> str:
+        """Return the multi-host ``DATABASE_URL``: both servers, read-write sessions only."""
+        params = {"target_session_attrs": "read-write", **query}
+        tail = "&".join(f"{key}={value}" for key, value in params.items())
+        hosts = f"127.0.0.1:{self.primary.port},127.0.0.1:{self.standby.port}"
+        return f"postgres://postgres@{hosts}/{database or self.database}?{tail}"
+
+    def destroy(self) -> None:
+        """Stop both servers and delete their directories."""
+        self.standby.destroy()
+        self.primary.destroy()
+
+
+@contextlib.contextmanager
+def streaming_pair() -> Iterator[StreamingPair]:
+    """A fresh primary with an empty ``runstate`` database and a synchronous standby; both gone afterwards."""
+    pair = StreamingPair()
+    try:
+        pair.start()
+        yield pair
+    finally:
+        pair.destroy()

@@ -62,7 +62,17 @@ class ThrowawayPostgres:
 
     database = "runstate"
 
-    def __init__(self) -> None:
+    # Server settings given on the command line: nothing on disk matters to these tests.
+    DEFAULT_SETTINGS = {
+        "fsync": "off",
+        "synchronous_commit": "off",
+        "full_page_writes": "off",
+        "max_connections": "100",
+    }
+
+    def __init__(self, **settings: str) -> None:
+        """``settings`` override or add server settings (``synchronous_commit="on"``...)."""
+        self.settings = {**self.DEFAULT_SETTINGS, **settings}
         self.port = free_port()
         self.as_root = os.geteuid() == 0
         self.dir = Path(tempfile.mkdtemp(prefix="runstate-pg-"))
@@ -111,13 +121,36 @@ class ThrowawayPostgres:
 
     def start(self) -> None:
         """Start the server on its port and wait until it accepts connections."""
-        options = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir} "
-            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=100"
+        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir} " + " ".join(
+            f"-c {name}={value}" for name, value in self.settings.items()
         )
         self._run(
             str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log_path), "-o", options, "-w", "start"
         )
+
+    def init_standby_of(self, primary: ThrowawayPostgres, *, application_name: str) -> None:
+        """Make this cluster a streaming standby of ``primary`` (``pg_basebackup -R``) and start it.
+
+        It connects as ``application_name``, the name ``synchronous_standby_names`` lists.
+        """
+        self._run(
+            str(PG_BIN / "pg_basebackup"),
+            "-D",
+            str(self.data_dir),
+            "-d",
+            f"host=127.0.0.1 port={primary.port} user=postgres application_name={application_name}",
+            "-R",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",
+        )
+        self.start()
+
+    def promote(self) -> None:
+        """Promote this standby to a primary (``pg_ctl promote``) and wait until it accepts writes."""
+        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-w", "promote")
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (``fast``: disconnect every client; ``immediate``: as a crash would)."""
