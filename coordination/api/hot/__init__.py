@@ -57,7 +57,7 @@ from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
 from coordination.api.hot import db
 from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
-from coordination.api.throttling import COUNTED_ATTRIBUTE, rate_wait_async
+from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
 from coordination.services.keys import api_key_authenticate
 from coordination.tracing import TraceContext, tracing_on
 
@@ -65,7 +65,7 @@ from coordination.tracing import TraceContext, tracing_on
 # handed to the views (``careful``, after its statement touched no row; ``declined``, before
 # anything): tests read it.
 SERVED: Counter = Counter()
-_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks")
+_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch")
 _PLAIN_ACCEPT = {b"", b"*/*", b"application/json"}
 _renderer = JSONRenderer()
 
@@ -212,7 +212,7 @@ class HotRouter:
     async def _serve(self, request):
         """Answer inside the middleware: rate limit, statement, answer; the view when the statement touched no row."""
         endpoint, call = request.runstate_hot
-        wait = await rate_wait_async(call.api_key.id)
+        wait = await rate_wait_async(call.api_key.id, body_cost(endpoint.view, call.data))  # a batch: its items
         if wait is not None:
             SERVED["throttled"] += 1
             return self._response(endpoint, errors.exception_handler(drf.Throttled(wait), {}))
