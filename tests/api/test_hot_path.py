@@ -12,11 +12,13 @@ DRF, answered the requests it serves, so the comparison cannot pass by both goin
 import asyncio
 import json
 import re
+import threading
 import uuid
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from django.db import transaction
 from django.utils import timezone
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
@@ -26,7 +28,7 @@ from coordination import process_cache, selectors
 from coordination.api import hot
 from coordination.api.auth import Principal
 from coordination.api.hot import db as hot_db
-from coordination.models import ApiKey
+from coordination.models import ApiKey, Run, Task
 from coordination.services.claims import claim_id_for, task_claim
 from coordination.services.keys import api_key_authenticate, api_key_create, project_ensure
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
@@ -34,6 +36,7 @@ from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
 from coordination.states import MailboxMode, Permission
 from tests.api.test_process_cache import caches_on
+from tests.concurrency.util import run_closing
 from tests.workers.live import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
@@ -516,3 +519,52 @@ def test_a_submit_on_the_hot_path_stores_the_callers_trace_context(api_process):
     claimed = json.loads(body)["claims"]
     assert [c["traceparent"].split("-")[2] for c in claimed] == ["b7ad6b7169203331"]
     assert [c["tracestate"] for c in claimed] == ["vendor=1"]
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_a_key_taken_while_the_batch_statement_runs_leaves_the_batch_to_the_view(api_process, round_):
+    """A submit holds key "a" uncommitted: the batch statement waits on it, fails, writes nothing; the view answers."""
+    state = fresh_state()
+    run = Run.objects.get(id=state.run_id)
+    mailbox = mailbox_get(project_id=run.project_id, name="work")
+    holding, release, errors = threading.Event(), threading.Event(), []
+
+    def first():
+        with transaction.atomic():
+            task_submit(project_id=run.project_id, mailbox=mailbox, run_id=run.id, input=1, key="a")
+            holding.set()
+            assert release.wait(30), "the test never let the first submit commit"
+
+    thread = threading.Thread(target=run_closing(first, errors))
+    thread.start()
+    assert holding.wait(30), errors
+    path, body, headers = submit_many(state, [{"key": "a", "input": 1}, {"key": "b", "input": 2}])
+
+    async def scenario():
+        from runstate_project.asgi import application
+
+        transport = httpx.ASGITransport(app=application)
+        await (await hot_db.pool()).wait(timeout=30)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+                sent = asyncio.ensure_future(client.post(path, content=body, headers=headers))
+                for _ in range(3000):  # until the batch's statement waits on the uncommitted key
+                    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    if sent.done() or (await hot_db.fetch(waiting + " AND datname = current_database()", {}))[0][0]:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not sent.done(), "the batch did not wait for the key"
+                release.set()
+                return await sent
+        finally:
+            release.set()
+            await hot_db.close()
+
+    careful = hot.SERVED["careful"]
+    answer = asyncio.run(scenario())
+    thread.join(30)
+    assert not errors, errors
+    assert answer.status_code == 201, answer.content
+    assert [(t["key"], t["input"]) for t in answer.json()["tasks"]] == [("a", 1), ("b", 2)]
+    assert hot.SERVED["careful"] == careful + 1
+    assert Task.objects.filter(run_id=run.id, key__in=["a", "b"]).count() == 2
