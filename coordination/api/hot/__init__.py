@@ -2,15 +2,16 @@
 
 ``HotRouter`` sits in front of ``runstate_project.asgi.ApiASGIHandler`` in the same ASGI
 application. It serves, on PostgreSQL, ``POST /v1/claims/{id}/complete|fail|release|renew``
-and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``
-(``endpoints``). For each request:
+and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``,
+and the batch forms ``POST /v1/claims/complete|renew`` and
+``POST /v1/mailboxes/{name}/tasks/batch`` (``endpoints``). For each request:
 
 1. the route is Django's own (``resolve``), and the key is the process cache's
    (``api_key_authenticate(cached_only=True)``) with the permission the view needs;
 2. the body is read within ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (``edge.bounded``), parsed as DRF
    parses JSON and validated by the serializer's own fields (``bodies.plain_body``);
 3. the request counts against its key's rate limit (``throttling.rate_wait_async``: Redis
-   asked without blocking the loop), and the service's own statement
+   asked without blocking the loop; a batch counts its items), and the service's own statement
    (``coordination.services.claims.operations.*_statement``, ``tasks.submit_statement``)
    runs on a psycopg async pool (``db``), on the event loop;
 4. the answer is a DRF ``Response`` rendered by DRF's renderer, with the view's headers, and
@@ -26,7 +27,9 @@ that may wait. When the statement touches no row (lease lost, nothing to claim, 
 member, an inactive run, a key used before), or no pooled connection is ready within
 ``db.READY_GRACE_S`` (the server down: the DRF path's pool answers 503 at once), the request,
 already read and counted, is answered by its DRF view in one thread hop inside the same
-middleware chain (its throttle does not count it again).
+middleware chain (its throttle does not count it again). A claim batch whose statement
+decided some items (committed) and left others answers those others through the service's
+careful path in one thread hop; a batch submit inserts every task or none.
 
 **Equivalence.** ``tests/api/test_hot_path.py`` sends a fixed table of requests (valid,
 invalid, unknown claim, lost lease, unauthorized, foreign project, bound key, rate limited)
