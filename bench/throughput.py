@@ -84,6 +84,9 @@ HTTP_BATCHED_PIPELINE_TARGET = 0.25
 TRACING_TARGET = 0.7
 SDK_DRAIN_TARGET = 0.25
 REQUEST_CPU_MS_TARGETS = {"submit": 3.0, "complete": 2.0}
+# Issue 27, same run: server CPU per unbatched submit, claim and complete against the CPU of one
+# pgbench -N transaction (pgbench's own and its backends').
+REQUEST_CPU_RATIO_TARGET = 3.0
 MAILBOX = "bench"
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -1240,6 +1243,11 @@ class PgbenchResult:
     client_ms_per_txn: float  # pgbench's own CPU
     backend_ms_per_txn: float | None  # its PostgreSQL backends' CPU (sampled), None if unknown
 
+    @property
+    def cpu_ms_per_txn(self) -> float | None:
+        """Return the CPU of one transaction, pgbench's own and its backends' (None if the backends' is unknown)."""
+        return None if self.backend_ms_per_txn is None else self.client_ms_per_txn + self.backend_ms_per_txn
+
     def summary(self) -> str:
         """Return the detail line."""
         backend = f"{self.backend_ms_per_txn:.2f}" if self.backend_ms_per_txn is not None else "?"
@@ -1607,13 +1615,24 @@ class RunFigures:
     batch: int
     costs: RequestCosts | None = None
     sdk_drain: SdkDrain | None = None
+    pgbench: PgbenchResult | None = None  # the W = 4 run, for the CPU ratios
+
+
+def server_cpu_ratios(costs: RequestCosts | None, pgbench: PgbenchResult | None) -> dict[str, float] | None:
+    """Return server CPU per unbatched request of each kind ÷ CPU per ``pgbench -N`` transaction, same run."""
+    per_txn = pgbench.cpu_ms_per_txn if pgbench else None
+    if costs is None or not per_txn:
+        return None
+    return {op: costs.uvicorn_ms[op] / per_txn for op in ("submit", "claim", "complete") if op in costs.uvicorn_ms}
 
 
 def json_figures(run: RunFigures) -> dict[str, Any]:
     """Return the figures ``--json`` writes: W = 4, one key per part (None for a part that did not run).
 
     Rates are per second; ``server_cpu_ms`` is the uvicorn processes' CPU per unbatched
-    request of each kind (``measure_request_costs``); ``statements`` are the SQL statements
+    request of each kind (``measure_request_costs``), ``pgbench_cpu_ms_per_txn`` the CPU of one
+    ``pgbench -N`` transaction (pgbench's and its backends') and ``server_cpu_ratio`` the first
+    over the second, per kind (issue 27's target: <= 3); ``statements`` are the SQL statements
     (BEGIN and COMMIT included) of one unbatched submit, one claim of ``--batch`` and one
     complete. A new part adds its key here.
     """
@@ -1634,6 +1653,8 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
 
     tps = run.baselines.get(JSON_WORKERS)
     costs = run.costs
+    per_txn = run.pgbench.cpu_ms_per_txn if run.pgbench else None
+    ratios = server_cpu_ratios(costs, run.pgbench)
     return {
         "service_unbatched": rates("service unbatched"),
         "service_batched": rates("service batched"),
@@ -1644,6 +1665,8 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
         "server_cpu_ms": {op: round(ms, 3) for op, ms in costs.uvicorn_ms.items()} if costs else None,
         "pgbench_tps": round(tps, 1) if tps else None,
         "pgqueuer_drain_per_s": round(run.peer.rate, 1) if run.peer else None,
+        "pgbench_cpu_ms_per_txn": round(per_txn, 3) if per_txn else None,
+        "server_cpu_ratio": {op: round(ratio, 2) for op, ratio in ratios.items()} if ratios else None,
         "statements": {
             "submit": statements("submit"),
             "claim": statements(f"claim (max {run.batch})"),
@@ -1893,7 +1916,9 @@ def main(argv: list[str] | None = None) -> int:
             details.append(line)
 
     table = results_table(results, baselines, peer)
-    verdicts = target_verdicts(results, pgbench_results, peer) + http_verdicts(results, baselines, costs, sdk_drain)
+    verdicts = target_verdicts(results, pgbench_results, peer) + http_verdicts(
+        results, baselines, costs, sdk_drain, pgbench_results.get(JSON_WORKERS)
+    )
     print("\n" + table + "\n")
     for verdict in verdicts:
         print(verdict)
@@ -1904,7 +1929,9 @@ def main(argv: list[str] | None = None) -> int:
         RECORD_PATH.write_text(existing.rstrip("\n") + "\n\n" + section)
         print(f"\nrecorded in {RECORD_PATH.relative_to(ROOT)}")
     if args.json:
-        figures = RunFigures(results, baselines, peer, service_sql, args.batch, costs, sdk_drain)
+        figures = RunFigures(
+            results, baselines, peer, service_sql, args.batch, costs, sdk_drain, pgbench_results.get(JSON_WORKERS)
+        )
         write_json(args.json, json_figures(figures))
         print(f"\nfigures written to {args.json}")
     verified = [r.verification["ok"] for r in results] + [x.verification["ok"] for x in (peer, sdk_drain) if x]
@@ -1979,8 +2006,13 @@ def http_verdicts(
     baselines: dict[int, float],
     costs: RequestCosts | None,
     sdk_drain: SdkDrain | None,
+    pgbench: PgbenchResult | None = None,
 ) -> list[str]:
-    """Return the issue-15 verdicts: batched HTTP pipeline and SDK drain vs pgbench, CPU per request."""
+    """Return the issue-15 verdicts: batched HTTP pipeline and SDK drain vs pgbench, CPU per request.
+
+    With the W = 4 ``pgbench`` run, also issue 27's: server CPU per unbatched request against
+    the CPU of one of its transactions.
+    """
 
     def verdict(ratio: float, target: float) -> str:
         return f"{ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})"
@@ -2013,6 +2045,13 @@ def http_verdicts(
         lines.append(
             f"server CPU per unbatched {op}: {ms:.2f} ms "
             f"(target <= {target} ms: {'met' if ms <= target else 'NOT met'})"
+        )
+    ratios = server_cpu_ratios(costs, pgbench)
+    for op, ratio in (ratios or {}).items():
+        lines.append(
+            f"server CPU per unbatched {op}: {costs.uvicorn_ms[op]:.2f} ms vs pgbench -N "
+            f"{pgbench.cpu_ms_per_txn:.2f} CPU ms/txn = {ratio:.2f}x "
+            f"(target <= {REQUEST_CPU_RATIO_TARGET}x: {'met' if ratio <= REQUEST_CPU_RATIO_TARGET else 'NOT met'})"
         )
     return lines
 

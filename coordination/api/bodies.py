@@ -1,10 +1,11 @@
 """Request bodies validated without building a serializer per request.
 
 A DRF serializer deep-copies its declared fields every time one is built, and a hot endpoint
-builds one per request. For a flat request serializer (no nested serializer, no
-``validate`` / ``validate_<field>`` or other checks of its own) the same checks can run on fields built
-once: ``plain_body(SerializerClass, data)`` runs each field's own ``run_validation`` on a
-copy of the fields made at first use, and returns the validated data exactly as
+builds one per request. For a flat request serializer (no nested serializer but a list of
+flat ones, ``many=True``; no ``validate`` / ``validate_<field>`` or other checks of its own)
+the same checks can run on fields built once: ``plain_body(SerializerClass, data)`` runs each
+field's own ``run_validation`` on a copy of the fields made at first use (and each item of a
+list through its serializer's fields), and returns the validated data exactly as
 ``serializer.validated_data`` would. When anything is off (an unknown or missing field, a
 value a field refuses, a serializer it cannot handle) it returns None, and the caller builds
 the serializer, which answers with its exact error. The OpenAPI schema still comes from the
@@ -38,10 +39,39 @@ def _fields(serializer_class: type[serializers.Serializer]) -> Any:
         )
         prototype = serializer_class()
         fields = prototype.fields
-        nested = any(isinstance(field, serializers.BaseSerializer) for field in fields.values())
+        nested = any(
+            isinstance(field, serializers.BaseSerializer) and not _plain_list(field) for field in fields.values()
+        )
         found = _UNSUPPORTED if own_validation or nested else dict(fields)
         _fields_by_class[serializer_class] = found
     return found
+
+
+def _plain_list(field) -> bool:
+    """Tell whether ``field`` is a list of a flat serializer (``many=True``) with no checks of its own."""
+    return (
+        type(field) is serializers.ListSerializer
+        and not field.validators
+        and isinstance(field.child, serializers.Serializer)
+        and _fields(type(field.child)) is not _UNSUPPORTED
+    )
+
+
+def _list_value(field: serializers.ListSerializer, data: object) -> list:
+    """Validate a list of a flat serializer's bodies as ``ListSerializer.run_validation``; refuse anything else."""
+    if not isinstance(data, list) or (not data and not field.allow_empty):
+        raise serializers.ValidationError("left to the serializer")
+    if (field.min_length is not None and len(data) < field.min_length) or (
+        field.max_length is not None and len(data) > field.max_length
+    ):
+        raise serializers.ValidationError("left to the serializer")
+    items = []
+    for item in data:
+        validated = plain_body(type(field.child), item)
+        if validated is None:
+            raise serializers.ValidationError("left to the serializer")
+        items.append(validated)
+    return items
 
 
 def plain_body(serializer_class: type[serializers.Serializer], data: object) -> dict | None:
@@ -55,7 +85,10 @@ def plain_body(serializer_class: type[serializers.Serializer], data: object) -> 
             if field.read_only:
                 continue
             if name in data:
-                validated[name] = field.run_validation(data[name])
+                if isinstance(field, serializers.ListSerializer):
+                    validated[name] = _list_value(field, data[name])
+                else:
+                    validated[name] = field.run_validation(data[name])
             elif field.required:
                 return None
             else:

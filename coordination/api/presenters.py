@@ -2,6 +2,7 @@
 
 from datetime import UTC, datetime
 
+from coordination.exceptions import CoordinationError
 from coordination.models import Barrier, Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup, Timer
 from coordination.selectors import EffectiveState, event_cursor, mailbox_names
 from coordination.services.claims import Claim
@@ -210,3 +211,50 @@ def present_timer(timer: Timer) -> dict:
         "acknowledgedAt": iso(timer.acknowledged_at),
         "createdAt": iso(timer.created_at),
     }
+
+
+# Batches of claim operations (``POST /v1/claims/complete`` and ``/renew``): the DRF views and
+# the hot path answer each item with these, from the service's per-item answers.
+
+
+def _refused_item(claim_id: str, error: CoordinationError) -> dict:
+    return {"claimId": claim_id, "ok": False, "error": {"code": error.code, "message": error.message}}
+
+
+def batch_tasks(answers: list[tuple[str, object]]) -> list[Task]:
+    """Return the tasks of a batch's answers that succeeded (a ``Task`` or a ``Claim``'s): their names are needed."""
+    return [
+        answer.task if isinstance(answer, Claim) else answer
+        for _, answer in answers
+        if not isinstance(answer, CoordinationError)
+    ]
+
+
+def present_completed_batch(answers: list[tuple[str, Task | CoordinationError]], names: dict) -> dict:
+    """Return the answer to a batch complete: each ``(claimId, task or error)`` in order; ``names`` by mailbox id."""
+    return {
+        "results": [
+            _refused_item(claim_id, answer)
+            if isinstance(answer, CoordinationError)
+            else {"claimId": claim_id, "ok": True, "task": present_task(answer, names[answer.mailbox_id])}
+            for claim_id, answer in answers
+        ]
+    }
+
+
+def present_renewed_batch(answers: list[tuple[str, Claim | CoordinationError]], names: dict) -> dict:
+    """Return the answer to a batch renew: each ``(claimId, claim or error)`` in order; ``names`` by mailbox id."""
+    return {
+        "results": [
+            _refused_item(claim_id, answer)
+            if isinstance(answer, CoordinationError)
+            else {"claimId": claim_id, "ok": True, "claim": present_claim(answer, names[answer.task.mailbox_id])}
+            for claim_id, answer in answers
+        ]
+    }
+
+
+def present_submitted_batch(answers: list[tuple[Task, bool]], mailbox_name: str) -> tuple[dict, int]:
+    """Return the body and status of a batch submit: 201 when a task was created, 200 when each was a resubmit."""
+    created = any(was_created for _, was_created in answers)
+    return {"tasks": [present_task(task, mailbox_name) for task, _ in answers]}, 201 if created else 200

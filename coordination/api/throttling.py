@@ -182,13 +182,17 @@ limiter = Limiter()
 
 def request_cost(request, view) -> int:
     """How many requests a call counts as: the items of a batch view (``batch_field``), else one."""
-    field = getattr(view, "batch_field", None)
-    if field is None:
+    if getattr(view, "batch_field", None) is None:
         return 1
     # Reading the body here parses it once (DRF caches it); a body that does not parse is
     # answered 400 from here, as the view would.
-    data = request.data
-    items = data.get(field) if isinstance(data, dict) else None
+    return body_cost(view, request.data)
+
+
+def body_cost(view, data: object) -> int:
+    """How many requests a parsed body counts as for ``view``: its ``batch_field``'s items, else one."""
+    field = getattr(view, "batch_field", None)
+    items = data.get(field) if field is not None and isinstance(data, dict) else None
     return max(1, len(items)) if isinstance(items, list) else 1
 
 

@@ -109,6 +109,11 @@ def work_accepted_on_commit(wakes: list) -> None:
         transaction.on_commit(functools.partial(_send_wakes, wakes))
 
 
+def work_wakes_send(wakes: list) -> None:
+    """Send now, in one go, the wake-ups ``work_accept`` returned for a batch whose statement committed on its own."""
+    _send_wakes([wake for wake in wakes if wake is not None])
+
+
 def _send_wakes(wakes: list) -> None:
     if len(wakes) == 1:
         wakes[0]()

@@ -135,11 +135,8 @@ def tasks_submit_many(
     their events are inserted by one statement (``unnest`` arrays, keys through ``ON CONFLICT``).
     Every task of the batch stores ``trace``, the submitter's context.
     """
-    if not 1 <= len(items) <= MAX_SUBMIT_BATCH:
-        limit = f"must hold between 1 and {MAX_SUBMIT_BATCH} tasks"
-        raise exceptions.ValidationFailed("Invalid batch.", **{label: limit})
     now = timezone.now()
-    _validate_submit(mailbox, items, now, label)
+    _validate_batch(mailbox, items, now, label)
     gated = TaskGroup.objects.filter(scope_id=run_id, mailbox=mailbox).exists()
     if not fast_paths_enabled() or gated:
         answers = []
@@ -151,11 +148,7 @@ def tasks_submit_many(
                     )
         return answers
     chain = run_chain_lock_active(run_id, project_id=project_id)
-    tasks = [_new_task(project_id, mailbox, run_id, spec, now, trace) for spec in items]
-    wakes = []
-    for index, task in enumerate(tasks):
-        with _item(label, index):
-            wakes.append(dispatch.work_accept(task, mailbox))
+    tasks, wakes = _accepted(project_id, mailbox, run_id, items, now, trace, label)
     inserted = _insert_many(tasks, mailbox, chain, now)
     dispatch.work_accepted_on_commit([wake for task, wake in zip(tasks, wakes, strict=True) if task.id in inserted])
     answers = []
@@ -170,6 +163,31 @@ def tasks_submit_many(
             raise AssertionError(f"task {index} of a batch was neither inserted nor found by its key")
         answers.append((existing, False))
     return answers
+
+
+def _validate_batch(mailbox: Mailbox, items: list[TaskSpec], now: datetime, label: str) -> None:
+    if not 1 <= len(items) <= MAX_SUBMIT_BATCH:
+        limit = f"must hold between 1 and {MAX_SUBMIT_BATCH} tasks"
+        raise exceptions.ValidationFailed("Invalid batch.", **{label: limit})
+    _validate_submit(mailbox, items, now, label)
+
+
+def _accepted(
+    project_id: uuid.UUID,
+    mailbox: Mailbox,
+    run_id: uuid.UUID,
+    items: list[TaskSpec],
+    now: datetime,
+    trace: TraceContext,
+    label: str,
+) -> tuple[list[Task], list]:
+    """Build a batch's new tasks (unsaved), each accepted (``dispatch.work_accept``); return them and the wake-ups."""
+    tasks = [_new_task(project_id, mailbox, run_id, spec, now, trace) for spec in items]
+    wakes = []
+    for index, task in enumerate(tasks):
+        with _item(label, index):
+            wakes.append(dispatch.work_accept(task, mailbox))
+    return tasks, wakes
 
 
 def _validate_submit(mailbox: Mailbox, items: list[TaskSpec], now: datetime, label: str = "items") -> None:
@@ -234,6 +252,32 @@ _SUBMIT_CHAIN = f"""{CHAIN_KEY_SHARE_CTE}, gate AS (
     SELECT %(id)s::uuid AS id, %(input)s::text AS input, %(key)s::text AS key, %(priority)s::int AS priority,
         %(max_attempts)s::int AS max_attempts, %(expires_at)s::timestamptz AS expires_at, 1 AS n
 )"""
+# The batch form of the single statement (the API's hot path runs it on its own connection,
+# each statement its own transaction): it locks the chain as the single form does and inserts
+# every task or none. A key used before or twice in the batch inserts nothing (the careful
+# path answers: idempotent resubmits, KEY_CONFLICT), and it has no ON CONFLICT clause: a key
+# taken by a concurrent submit after the check fails the whole statement (unique violation),
+# which writes nothing either.
+_SUBMIT_CHAIN_MANY = f"""{CHAIN_KEY_SHARE_CTE}, items AS (
+    SELECT * FROM unnest(
+        %(ids)s::uuid[], %(inputs)s::text[], %(keys)s::text[], %(priorities)s::int[],
+        %(max_attempts)s::int[], %(expires_at)s::timestamptz[]
+    ) WITH ORDINALITY AS i(id, input, key, priority, max_attempts, expires_at, n)
+), gate AS (
+    SELECT {CHAIN_ACTIVE_SQL}
+        AND NOT EXISTS (
+            SELECT 1 FROM coordination_taskgroup g WHERE g.scope_id = %(run_id)s AND g.mailbox_id = %(mailbox_id)s
+        )
+        AND NOT EXISTS (
+            SELECT 1 FROM coordination_task t
+            WHERE t.mailbox_id = %(mailbox_id)s AND t.run_id = %(run_id)s
+                AND t.key IN (SELECT key FROM items WHERE key IS NOT NULL)
+        )
+        AND (SELECT count(key) = count(DISTINCT key) FROM items) AS open,
+        min(deadline) AS run_deadline,
+        max(path) AS run_path
+    FROM chain
+)"""
 _SUBMIT_LOCKED = """
 gate AS (
     SELECT TRUE AS open, %(run_deadline)s::timestamptz AS run_deadline, %(run_path)s::text AS run_path
@@ -245,7 +289,10 @@ gate AS (
 )"""
 
 
-def _submit_sql(prelude: str) -> str:
+_ON_KEY_CONFLICT = "ON CONFLICT (mailbox_id, run_id, key) WHERE key IS NOT NULL DO NOTHING"
+
+
+def _submit_sql(prelude: str, on_conflict: str = _ON_KEY_CONFLICT) -> str:
     return f"""
 WITH {prelude}, done AS (
     INSERT INTO coordination_task (
@@ -258,7 +305,7 @@ WITH {prelude}, done AS (
     FROM items i, gate
     WHERE gate.open
     ORDER BY i.n
-    ON CONFLICT (mailbox_id, run_id, key) WHERE key IS NOT NULL DO NOTHING
+    {on_conflict}
     RETURNING id, project_id, run_id, run_path, run_deadline, key
 ), events AS (
     {
@@ -275,6 +322,7 @@ SELECT id, run_path, run_deadline FROM done
 
 SUBMIT_SQL = _submit_sql(_SUBMIT_CHAIN)
 SUBMIT_MANY_SQL = _submit_sql(_SUBMIT_LOCKED)
+SUBMIT_BATCH_SQL = _submit_sql(_SUBMIT_CHAIN_MANY, on_conflict="")
 
 
 def submit_statement(task: Task, mailbox: Mailbox, now: datetime) -> tuple[str, dict]:
@@ -318,6 +366,51 @@ def submit_prepared(
     return task, dispatch.work_accept(task, mailbox)
 
 
+def submit_many_prepared(
+    *,
+    project_id: uuid.UUID,
+    mailbox: Mailbox,
+    run_id: uuid.UUID,
+    items: list[TaskSpec],
+    now: datetime,
+    label: str = "items",
+    trace: TraceContext = NO_TRACE,
+) -> tuple[list[Task], list]:
+    """Check a batch submit as ``tasks_submit_many`` does and build its tasks; return them and their wake-ups."""
+    _validate_batch(mailbox, items, now, label)
+    return _accepted(project_id, mailbox, run_id, items, now, trace, label)
+
+
+def submit_many_statement(tasks: list[Task], mailbox: Mailbox, now: datetime) -> tuple[str, dict]:
+    """Return the one statement that inserts all of ``tasks`` or none (``SUBMIT_BATCH_SQL``) and its parameters.
+
+    Its rows go to ``submitted_many``; no rows leave the batch to the careful path
+    (``tasks_submit_many``), and so does a unique violation (a key taken meanwhile).
+    """
+    return SUBMIT_BATCH_SQL, {**_common_params(tasks[0], mailbox, now), **_many_params(tasks)}
+
+
+def submitted_many(tasks: list[Task], rows: list[tuple]) -> bool:
+    """Fill in ``tasks``' run fields from ``submit_many_statement``'s rows; return whether they were inserted."""
+    if len(rows) != len(tasks):
+        return False
+    _, run_path, run_deadline = rows[0]
+    for task in tasks:
+        task.run_path, task.run_deadline = run_path, run_deadline
+    return True
+
+
+def _many_params(tasks: list[Task]) -> dict:
+    return {
+        "ids": [task.id for task in tasks],
+        "inputs": [json.dumps(task.input) for task in tasks],
+        "keys": [task.key for task in tasks],
+        "priorities": [task.priority for task in tasks],
+        "max_attempts": [task.max_attempts for task in tasks],
+        "expires_at": [task.expires_at for task in tasks],
+    }
+
+
 def _insert_many(tasks: list[Task], mailbox: Mailbox, chain: list[Run], now: datetime) -> set[uuid.UUID]:
     """Run ``SUBMIT_MANY_SQL`` under ``chain``'s locks; fill in the run fields; return the inserted ids."""
     run = chain[-1]
@@ -328,12 +421,7 @@ def _insert_many(tasks: list[Task], mailbox: Mailbox, chain: list[Run], now: dat
             **_common_params(tasks[0], mailbox, now),
             "run_path": run.path,
             "run_deadline": run_deadline,
-            "ids": [task.id for task in tasks],
-            "inputs": [json.dumps(task.input) for task in tasks],
-            "keys": [task.key for task in tasks],
-            "priorities": [task.priority for task in tasks],
-            "max_attempts": [task.max_attempts for task in tasks],
-            "expires_at": [task.expires_at for task in tasks],
+            **_many_params(tasks),
         },
     )
     for task in tasks:

@@ -24,7 +24,7 @@ REQUEST_SERIALIZERS = sorted(
     ),
     key=lambda klass: klass.__name__,
 )
-HOT = [s.TaskSubmitIn, s.ClaimIn, s.CompleteIn, s.RenewIn, s.FailIn]
+HOT = [s.TaskSubmitIn, s.ClaimIn, s.CompleteIn, s.RenewIn, s.FailIn, s.ClaimsCompleteIn, s.ClaimsRenewIn, s.TaskBatchIn]
 
 tricky = st.one_of(
     st.none(),
@@ -47,9 +47,17 @@ def _nested(depth: int) -> object:
 
 
 def bodies(klass) -> st.SearchStrategy:
-    names = list(klass().fields) + ["unknown"]
+    fields = klass().fields
+    names = list(fields) + ["unknown"]
+    # A list of serializers (a batch's items) gets lists of its child's bodies as well.
+    lists = {
+        name: tricky | st.lists(bodies(type(field.child)), max_size=3)
+        for name, field in fields.items()
+        if isinstance(field, serializers.ListSerializer)
+    }
     return st.one_of(
         st.dictionaries(st.sampled_from(names), tricky, max_size=len(names)),
+        st.fixed_dictionaries({}, optional={name: lists.get(name, tricky) for name in names}),
         st.sampled_from([None, [], "text", 1]),
     )
 
@@ -87,6 +95,9 @@ def test_the_hot_bodies_take_the_plain_path(klass):
         (s.CompleteIn, {}),
         (s.RenewIn, {"leaseTtlMs": 1000}),
         (s.FailIn, {"error": {"code": "E"}, "retry": True, "retryDelayMs": 10}),
+        (s.ClaimsCompleteIn, {"items": [{"claimId": "c1", "outcome": {"ok": 1}}, {"claimId": "c2"}]}),
+        (s.ClaimsRenewIn, {"items": [{"claimId": "c1", "leaseTtlMs": 1000}, {"claimId": "c2", "leaseTtlMs": None}]}),
+        (s.TaskBatchIn, {"runId": "r", "tasks": [{"input": 1, "key": "k"}, {"priority": 2, "maxAttempts": 3}]}),
     ],
 )
 def test_a_plain_body_is_answered_as_the_serializer_answers(klass, data):
@@ -105,6 +116,14 @@ def test_a_plain_body_is_answered_as_the_serializer_answers(klass, data):
         (s.CompleteIn, {"outcome": "\x00"}),
         (s.CompleteIn, {"outcome": _nested(40)}),
         (s.CompleteIn, ["outcome"]),
+        (s.ClaimsCompleteIn, {"items": []}),
+        (s.ClaimsCompleteIn, {"items": {"claimId": "c"}}),
+        (s.ClaimsCompleteIn, {"items": [{"claimId": 1}]}),
+        (s.ClaimsCompleteIn, {"items": [{"claimId": "c", "bogus": 1}]}),
+        (s.ClaimsCompleteIn, {"items": [{"claimId": "c"}] * 501}),
+        (s.ClaimsRenewIn, {"items": [{"claimId": "c", "leaseTtlMs": 5}]}),
+        (s.TaskBatchIn, {"runId": "r", "tasks": [{"maxAttempts": 0}]}),
+        (s.TaskBatchIn, {"runId": "r"}),
     ],
 )
 def test_a_body_the_serializer_refuses_is_left_to_it(klass, data):

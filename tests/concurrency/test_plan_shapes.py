@@ -29,6 +29,7 @@ from psycopg.adapt import PyFormat
 from coordination.ids import uuid7
 from coordination.models import Budget, Pool, PoolLease, Quota, Run, Task, TaskGroup
 from coordination.services import budgets, claims, groups, pools, quotas, runs, tasks
+from coordination.services import sql as service_sql
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.states import GroupCondition, PoolLeaseState, RunState, TaskState
@@ -309,6 +310,16 @@ def _orm_chain_lock(mode: str):
     return lambda sql: any(f in sql for f in GATE_FUNCTIONS) and sql.rstrip().endswith(mode)
 
 
+def _submit_batch(world, specs) -> None:
+    """Run the hot path's batch submit statement on Django's connection (the API runs it on its async pool)."""
+    now = timezone.now()
+    mailbox = world.mailboxes[0]
+    built, _ = tasks.submit_many_prepared(
+        project_id=world.project_id, mailbox=mailbox, run_id=world.run.id, items=specs, now=now
+    )
+    service_sql.fetch(*tasks.submit_many_statement(built, mailbox, now))
+
+
 @dataclass(frozen=True)
 class Case:
     call: object  # (world) -> None: the service call that makes the statement
@@ -345,6 +356,11 @@ CASES = {
         ),
         _orm_chain_lock("FOR KEY SHARE"),
         ("coordination_run_pkey",),
+    ),
+    "submit batch, the hot path's (SUBMIT_BATCH_SQL)": Case(
+        lambda w: _submit_batch(w, [tasks.TaskSpec(input={"i": i}, key=f"plan-batch-{i}") for i in range(3)]),
+        lambda sql: sql == tasks.SUBMIT_BATCH_SQL,
+        ("coordination_run_pkey", "coordination_taskgroup_scope_id_key"),
     ),
     "group gate lock (GATE_AND_GROUP_LOCK_SQL)": Case(
         lambda w: groups.group_lock(group_id=w.group.id, project_id=w.project_id),

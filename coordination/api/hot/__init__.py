@@ -2,15 +2,16 @@
 
 ``HotRouter`` sits in front of ``runstate_project.asgi.ApiASGIHandler`` in the same ASGI
 application. It serves, on PostgreSQL, ``POST /v1/claims/{id}/complete|fail|release|renew``
-and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``
-(``endpoints``). For each request:
+and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``,
+and the batch forms ``POST /v1/claims/complete|renew`` and
+``POST /v1/mailboxes/{name}/tasks/batch`` (``endpoints``). For each request:
 
 1. the route is Django's own (``resolve``), and the key is the process cache's
    (``api_key_authenticate(cached_only=True)``) with the permission the view needs;
 2. the body is read within ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (``edge.bounded``), parsed as DRF
    parses JSON and validated by the serializer's own fields (``bodies.plain_body``);
 3. the request counts against its key's rate limit (``throttling.rate_wait_async``: Redis
-   asked without blocking the loop), and the service's own statement
+   asked without blocking the loop; a batch counts its items), and the service's own statement
    (``coordination.services.claims.operations.*_statement``, ``tasks.submit_statement``)
    runs on a psycopg async pool (``db``), on the event loop;
 4. the answer is a DRF ``Response`` rendered by DRF's renderer, with the view's headers, and
@@ -26,7 +27,9 @@ that may wait. When the statement touches no row (lease lost, nothing to claim, 
 member, an inactive run, a key used before), or no pooled connection is ready within
 ``db.READY_GRACE_S`` (the server down: the DRF path's pool answers 503 at once), the request,
 already read and counted, is answered by its DRF view in one thread hop inside the same
-middleware chain (its throttle does not count it again).
+middleware chain (its throttle does not count it again). A claim batch whose statement
+decided some items (committed) and left others answers those others through the service's
+careful path in one thread hop; a batch submit inserts every task or none.
 
 **Equivalence.** ``tests/api/test_hot_path.py`` sends a fixed table of requests (valid,
 invalid, unknown claim, lost lease, unauthorized, foreign project, bound key, rate limited)
@@ -57,7 +60,7 @@ from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
 from coordination.api.hot import db
 from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
-from coordination.api.throttling import COUNTED_ATTRIBUTE, rate_wait_async
+from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
 from coordination.services.keys import api_key_authenticate
 from coordination.tracing import TraceContext, tracing_on
 
@@ -65,7 +68,7 @@ from coordination.tracing import TraceContext, tracing_on
 # handed to the views (``careful``, after its statement touched no row; ``declined``, before
 # anything): tests read it.
 SERVED: Counter = Counter()
-_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks")
+_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch")
 _PLAIN_ACCEPT = {b"", b"*/*", b"application/json"}
 _renderer = JSONRenderer()
 
@@ -212,7 +215,7 @@ class HotRouter:
     async def _serve(self, request):
         """Answer inside the middleware: rate limit, statement, answer; the view when the statement touched no row."""
         endpoint, call = request.runstate_hot
-        wait = await rate_wait_async(call.api_key.id)
+        wait = await rate_wait_async(call.api_key.id, body_cost(endpoint.view, call.data))  # a batch: its items
         if wait is not None:
             SERVED["throttled"] += 1
             return self._response(endpoint, errors.exception_handler(drf.Throttled(wait), {}))

@@ -12,8 +12,9 @@ may run several in turn, and each gets a pool of its own.
 import asyncio
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, InterfaceError, OperationalError, connections
 from psycopg import AsyncConnection, AsyncCursor
+from psycopg import IntegrityError as PsycopgIntegrityError
 from psycopg import InterfaceError as PsycopgInterfaceError
 from psycopg import OperationalError as PsycopgOperationalError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -66,7 +67,8 @@ async def fetch(statement: str, params: dict) -> list[tuple]:
     """Run one statement in a transaction of its own and return its rows.
 
     A connection that fails raises Django's ``OperationalError``, which the API answers
-    ``503 SERVICE_UNAVAILABLE`` as it does on the DRF path; no connection ready within
+    ``503 SERVICE_UNAVAILABLE`` as it does on the DRF path, a constraint it breaks Django's
+    ``IntegrityError``; no connection ready within
     ``READY_GRACE_S`` raises ``NoConnection`` (nothing was sent).
     """
     try:
@@ -79,6 +81,8 @@ async def fetch(statement: str, params: dict) -> list[tuple]:
         raise OperationalError(str(error)) from error
     except PsycopgInterfaceError as error:
         raise InterfaceError(str(error)) from error
+    except PsycopgIntegrityError as error:  # the statement wrote nothing; its caller decides
+        raise IntegrityError(str(error)) from error
 
 
 async def close() -> None:

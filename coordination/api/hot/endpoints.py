@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import IntegrityError
 from django.utils import timezone
 from rest_framework.response import Response
 
@@ -18,13 +19,20 @@ from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.auth import Principal
 from coordination.api.hot import db
-from coordination.api.presenters import present_claim, present_task
+from coordination.api.presenters import (
+    batch_tasks,
+    present_claim,
+    present_completed_batch,
+    present_renewed_batch,
+    present_submitted_batch,
+    present_task,
+)
 from coordination.api.views import work
 from coordination.models import ApiKey, Mailbox, Task
 from coordination.selectors import Visibility
 from coordination.services import dispatch, sql
 from coordination.services import tasks as task_services
-from coordination.services.claims import operations
+from coordination.services.claims import batches, operations
 from coordination.services.claims.claim import Claim
 from coordination.services.mailboxes import mailbox_cached
 from coordination.states import MailboxMode, TaskState
@@ -218,6 +226,112 @@ class Submit(Endpoint):
         return Response(present_task(task, mailbox.name), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
 
 
+async def _mailbox_names(tasks: list[Task], hop: Hop) -> dict:
+    names = {task.mailbox_id: selectors.mailbox_name_cached(task.mailbox_id) for task in tasks}
+    if None in names.values():  # a mailbox this process has not named yet: one read
+        names = await hop(selectors.mailbox_names, tasks)
+    return names
+
+
+async def _claim_batch(batch: batches.ClaimBatch, call: Call, hop: Hop) -> list[tuple[str, object]] | None:
+    """Run a checked claim batch's statement; answer ``(claimId, answer)`` per item, or None (the view answers).
+
+    A statement that decided no item leaves the whole batch to the view. Items it left
+    undecided after deciding others (committed already) take the service's careful path,
+    each in its own transaction, in one thread hop (``ClaimBatch.finish``).
+    """
+    params = batch.params(timezone.now())
+    if params is not None:
+        rows = sql.models_from_rows(Task, await db.fetch(batch.statement, params))
+        if not rows:
+            return None
+        batch.take([task for (task,) in rows])
+    answers = await hop(batch.finish) if batch.undecided else batch.finish()
+    return [(item["claimId"], answer) for item, answer in zip(call.data["items"], answers, strict=True)]
+
+
+class CompleteMany(Endpoint):
+    """``POST /v1/claims/complete``: a batch (its view's per-item answer, ``presenters.present_completed_batch``)."""
+
+    view, serializer = work.ClaimBatchCompleteView, s.ClaimsCompleteIn
+
+    async def answer(self, call, hop):  # noqa: D102
+        batch = batches.complete_batch(
+            project_id=call.project_id, items=[(item["claimId"], item["outcome"]) for item in call.data["items"]]
+        )
+        answers = await _claim_batch(batch, call, hop)
+        if answers is None:
+            return None
+        return Response(present_completed_batch(answers, await _mailbox_names(batch_tasks(answers), hop)))
+
+
+class RenewMany(Endpoint):
+    """``POST /v1/claims/renew``: a batch (its view's per-item answer, ``presenters.present_renewed_batch``)."""
+
+    view, serializer = work.ClaimBatchRenewView, s.ClaimsRenewIn
+
+    async def answer(self, call, hop):  # noqa: D102
+        batch = batches.renew_batch(
+            project_id=call.project_id,
+            items=[(item["claimId"], item.get("leaseTtlMs")) for item in call.data["items"]],
+        )
+        answers = await _claim_batch(batch, call, hop)
+        if answers is None:
+            return None
+        return Response(present_renewed_batch(answers, await _mailbox_names(batch_tasks(answers), hop)))
+
+
+class SubmitMany(Endpoint):
+    """``POST /v1/mailboxes/{name}/tasks/batch``: every task in one statement, or the view answers."""
+
+    view, serializer = work.TaskBatchSubmitView, s.TaskBatchIn
+
+    def accepts(self, call):  # noqa: D102
+        return _cached_mailbox_and_run(call)
+
+    async def answer(self, call, hop):  # noqa: D102
+        mailbox, now = call.mailbox, timezone.now()
+        tasks, wakes = task_services.submit_many_prepared(
+            project_id=call.project_id,
+            mailbox=mailbox,
+            run_id=call.run_id,
+            items=[
+                task_services.TaskSpec(
+                    input=item["input"],
+                    key=item["key"],
+                    priority=item["priority"],
+                    max_attempts=item.get("maxAttempts"),
+                    expires_at=item["expiresAt"],
+                )
+                for item in call.data["tasks"]
+            ],
+            now=now,
+            label="tasks",
+            trace=call.trace,
+        )
+        try:
+            rows = await db.fetch(*task_services.submit_many_statement(tasks, mailbox, now))
+        except IntegrityError:  # a key taken by a concurrent submit: the statement wrote nothing
+            return None
+        if not task_services.submitted_many(tasks, rows):  # a key used before, a gate, an inactive run
+            return None
+        if any(wake is not None for wake in wakes):  # a mailbox bound to a Celery task: one message
+            await hop(dispatch.work_wakes_send, wakes)
+        body, status = present_submitted_batch([(task, True) for task in tasks], mailbox.name)
+        return Response(body, status=status)
+
+
 ENDPOINTS: dict[type, Endpoint] = {
-    endpoint.view: endpoint for endpoint in (Complete(), Fail(), Release(), Renew(), ClaimTasks(), Submit())
+    endpoint.view: endpoint
+    for endpoint in (
+        Complete(),
+        Fail(),
+        Release(),
+        Renew(),
+        ClaimTasks(),
+        Submit(),
+        CompleteMany(),
+        RenewMany(),
+        SubmitMany(),
+    )
 }

@@ -6,7 +6,15 @@ from rest_framework.response import Response
 from coordination import exceptions, selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.longpoll import Answer, claim_long_poll, in_request, long_poll
-from coordination.api.presenters import present_claim, present_mailbox, present_task
+from coordination.api.presenters import (
+    batch_tasks,
+    present_claim,
+    present_completed_batch,
+    present_mailbox,
+    present_renewed_batch,
+    present_submitted_batch,
+    present_task,
+)
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.services import claims as claim_services
 from coordination.services import tasks as task_services
@@ -126,9 +134,8 @@ class TaskBatchSubmitView(ApiView):
                 trace=trace,
             )
             tracing.annotate(span, batch_size=len(answers))
-        created = any(was_created for _, was_created in answers)
-        body = {"tasks": [present_task(task, mailbox.name) for task, _ in answers]}
-        return Response(body, status=201 if created else 200)
+        body, status = present_submitted_batch(answers, mailbox.name)
+        return Response(body, status=status)
 
 
 class TaskDetailView(ApiView):
@@ -270,10 +277,6 @@ class ClaimBatchView(ClaimView):
                 answers[index] = answer
         return [(item["claimId"], answer) for item, answer in zip(items, answers, strict=True)]
 
-    @staticmethod
-    def refused(claim_id: str, error: exceptions.CoordinationError) -> dict:
-        return {"claimId": claim_id, "ok": False, "error": {"code": error.code, "message": error.message}}
-
 
 class ClaimBatchCompleteView(ClaimBatchView):
     """Complete many claims."""
@@ -292,17 +295,7 @@ class ClaimBatchCompleteView(ClaimBatchView):
                 project_id=self.project_id, items=[(item["claimId"], item["outcome"]) for item in items]
             ),
         )
-        names = selectors.mailbox_names([answer for _, answer in answers if not isinstance(answer, Exception)])
-        return Response(
-            {
-                "results": [
-                    self.refused(claim_id, answer)
-                    if isinstance(answer, exceptions.CoordinationError)
-                    else {"claimId": claim_id, "ok": True, "task": present_task(answer, names[answer.mailbox_id])}
-                    for claim_id, answer in answers
-                ]
-            }
-        )
+        return Response(present_completed_batch(answers, selectors.mailbox_names(batch_tasks(answers))))
 
 
 class ClaimBatchRenewView(ClaimBatchView):
@@ -320,21 +313,7 @@ class ClaimBatchRenewView(ClaimBatchView):
                 project_id=self.project_id, items=[(item["claimId"], item.get("leaseTtlMs")) for item in items]
             ),
         )
-        names = selectors.mailbox_names([answer.task for _, answer in answers if not isinstance(answer, Exception)])
-        return Response(
-            {
-                "results": [
-                    self.refused(claim_id, answer)
-                    if isinstance(answer, exceptions.CoordinationError)
-                    else {
-                        "claimId": claim_id,
-                        "ok": True,
-                        "claim": present_claim(answer, names[answer.task.mailbox_id]),
-                    }
-                    for claim_id, answer in answers
-                ]
-            }
-        )
+        return Response(present_renewed_batch(answers, selectors.mailbox_names(batch_tasks(answers))))
 
 
 class ClaimRenewView(ClaimView):
