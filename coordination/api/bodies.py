@@ -19,6 +19,7 @@ from rest_framework import serializers
 from rest_framework.fields import SkipField
 
 from coordination.api.serializers import StrictSerializer
+from coordination.services.tasks import TaskSpec
 
 # What a serializer class may define to check more than its fields do; StrictSerializer's
 # own to_internal_value (unknown fields are refused) is what plain_body does itself.
@@ -99,3 +100,14 @@ def plain_body(serializer_class: type[serializers.Serializer], data: object) -> 
     except serializers.ValidationError:
         return None
     return validated
+
+
+def task_spec(item: Mapping[str, Any]) -> TaskSpec:
+    """Return the ``TaskSpec`` of a validated task body (``TaskSubmitIn``, or one item of a batch)."""
+    return TaskSpec(
+        input=item["input"],
+        key=item["key"],
+        priority=item["priority"],
+        max_attempts=item.get("maxAttempts"),
+        expires_at=item["expiresAt"],
+    )

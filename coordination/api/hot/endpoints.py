@@ -18,6 +18,7 @@ from rest_framework.response import Response
 from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.auth import Principal
+from coordination.api.bodies import task_spec
 from coordination.api.hot import db
 from coordination.api.presenters import (
     batch_tasks,
@@ -208,13 +209,7 @@ class Submit(Endpoint):
 
     async def answer(self, call, hop):  # noqa: D102
         data, mailbox, now = call.data, call.mailbox, timezone.now()
-        spec = task_services.TaskSpec(
-            input=data["input"],
-            key=data["key"],
-            priority=data["priority"],
-            max_attempts=data.get("maxAttempts"),
-            expires_at=data["expiresAt"],
-        )
+        spec = task_spec(data)
         task, wake = task_services.submit_prepared(
             project_id=call.project_id, mailbox=mailbox, run_id=call.run_id, spec=spec, now=now, trace=call.trace
         )
@@ -295,16 +290,7 @@ class SubmitMany(Endpoint):
             project_id=call.project_id,
             mailbox=mailbox,
             run_id=call.run_id,
-            items=[
-                task_services.TaskSpec(
-                    input=item["input"],
-                    key=item["key"],
-                    priority=item["priority"],
-                    max_attempts=item.get("maxAttempts"),
-                    expires_at=item["expiresAt"],
-                )
-                for item in call.data["tasks"]
-            ],
+            items=[task_spec(item) for item in call.data["tasks"]],
             now=now,
             label="tasks",
             trace=call.trace,

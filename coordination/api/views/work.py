@@ -5,6 +5,7 @@ from rest_framework.response import Response
 
 from coordination import exceptions, selectors, tracing
 from coordination.api import serializers as s
+from coordination.api.bodies import task_spec
 from coordination.api.longpoll import Answer, claim_long_poll, in_request, long_poll
 from coordination.api.presenters import (
     batch_tasks,
@@ -121,16 +122,7 @@ class TaskBatchSubmitView(ApiView):
                 mailbox=mailbox,
                 run_id=run.id,
                 label="tasks",
-                items=[
-                    task_services.TaskSpec(
-                        input=item["input"],
-                        key=item["key"],
-                        priority=item["priority"],
-                        max_attempts=item.get("maxAttempts"),
-                        expires_at=item["expiresAt"],
-                    )
-                    for item in data["tasks"]
-                ],
+                items=[task_spec(item) for item in data["tasks"]],
                 trace=trace,
             )
             tracing.annotate(span, batch_size=len(answers))
