@@ -133,6 +133,18 @@ def events_written_since(*, project_id, mark: int) -> dict[str, int]:
     return dict(rows.order_by().values("type").annotate(count=Count("id")).values_list("type", "count"))
 
 
+def event_written_here(*, project_id, type: str, subject_id: object) -> Event:
+    """Return the event of ``type`` about ``subject_id`` that this transaction wrote.
+
+    On PostgreSQL the transaction's id leads to it through each partition's cursor index
+    (``project_id, txid``), where the subject alone would read the whole log.
+    """
+    rows = Event.objects.filter(project_id=project_id, type=type, subject_id=str(subject_id))
+    if connection.vendor == "postgresql":
+        rows = rows.filter(txid=CurrentTxid())
+    return rows.get()
+
+
 def events_prune(*, batch_size: int = 5000) -> int:
     """Prune one step of events older than ``RUNSTATE_EVENT_RETENTION_DAYS``; return its size, 0 when done.
 

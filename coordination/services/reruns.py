@@ -13,7 +13,8 @@ import uuid
 from django.db import transaction
 
 from coordination import exceptions
-from coordination.models import Event, Task
+from coordination.models import Task
+from coordination.services.events import event_written_here
 from coordination.services.groups import group_join
 from coordination.services.tasks import task_submit
 from coordination.states import TASK_TERMINAL
@@ -65,7 +66,7 @@ def task_rerun(
     Task.objects.filter(id=task.id).update(rerun_of=old)
     # The submit wrote the task's event as any submit's: name the source in it too, before
     # anyone can read it (readers see events only once this transaction commits).
-    submitted = Event.objects.get(type="task.submitted", subject_id=str(task.id))
+    submitted = event_written_here(project_id=project_id, type="task.submitted", subject_id=task.id)
     submitted.data = {**submitted.data, "rerunOf": str(old.id)}
     submitted.save(update_fields=["data"])
     if old.group_id is not None and task.group_id != old.group_id:

@@ -27,7 +27,14 @@ from coordination.services.event_partitions import (
     event_partitions_create_ahead,
     partition_name,
 )
-from coordination.services.events import EVENT_COLUMNS, event_row, events_prune, events_record_many
+from coordination.services.events import (
+    EVENT_COLUMNS,
+    event_record,
+    event_row,
+    event_written_here,
+    events_prune,
+    events_record_many,
+)
 from coordination.services.keys import project_ensure
 from coordination.services.runs import run_create
 from tests.concurrency.util import read_events_until, rounds, run_in_threads
@@ -525,6 +532,7 @@ def test_the_event_queries_use_each_partitions_index(drop_new_partitions):
         "the head": lambda: event_head(visibility),
         "the feed": lambda: event_feed((middle.txid, middle.id), 100, projects[:3]),
         "the feed's head": lambda: event_feed_head(run_project.id),
+        "an event this transaction wrote": lambda: _written_here(run),
     }
     for what, call in queries.items():
         statements = []
@@ -535,7 +543,9 @@ def test_the_event_queries_use_each_partitions_index(drop_new_partitions):
 
         with connection.execute_wrapper(record):
             call()
-        statements = [(sql, params) for sql, params in statements if '"coordination_event"' in sql]
+        statements = [
+            (sql, params) for sql, params in statements if '"coordination_event"' in sql and sql.startswith("SELECT")
+        ]
         assert statements, what
         for sql, params in statements:
             plan = _sql("EXPLAIN (FORMAT JSON) " + sql, params)[0][0][0]["Plan"]
@@ -553,6 +563,15 @@ def test_the_event_queries_use_each_partitions_index(drop_new_partitions):
                             assert index_node["Index Name"] in partition_indexes[name], f"{what} on {name}: {node}"
                 used = {n.get("Index Name") for node in nodes for n in _plan_nodes(node)}
                 assert cursor_index[name] in used, f"{what} does not use {name}'s event_project_cursor: {nodes}"
+
+
+def _written_here(run) -> None:
+    """A rerun names its source in the ``task.submitted`` event its own submit just wrote."""
+    with transaction.atomic():
+        event_record(project_id=run.project_id, type="test.written-here", run=run, subject_id=run.id, data={"note": 1})
+        assert event_written_here(project_id=run.project_id, type="test.written-here", subject_id=run.id).data == {
+            "note": 1
+        }
 
 
 def test_event_partitions_do_nothing_on_sqlite(db):
