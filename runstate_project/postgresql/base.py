@@ -39,24 +39,36 @@ def _server_is_full(refused: Exception) -> bool:
     return any(full in message for full in FULL_SERVER_MESSAGES)
 
 
-def check_idle_connection(conn: psycopg.Connection) -> None:
-    """Refuse a pooled connection the server has closed, without a round trip to the server.
+# Why ``idle_connection_problem`` refuses a connection.
+NOT_IDLE = "the pooled connection is not idle"
+SERVER_WROTE = "the server closed the pooled connection, or wrote to it unasked"
+
+
+def idle_connection_problem(pgconn) -> str | None:
+    """Say why a pooled connection cannot serve (``None`` when it can), without a round trip to the server.
 
     psycopg_pool's own check (``ConnectionPool.check_connection``) sends an empty query on
     every checkout: a round trip per request. An idle connection has nothing to read, so a
     socket with something to read means the server wrote to it unasked: the notice it sends
-    when it shuts down or ends the session (a restart, ``pg_terminate_backend``), or the end
-    of the stream. Such a connection is closed here, and the pool hands out another. A
-    connection that died silently (a network partition) still fails on its first query,
-    with ``503 SERVICE_UNAVAILABLE``, as it would after any check.
+    when it shuts down or ends the session (a restart, a failover, ``pg_terminate_backend``),
+    or the end of the stream (``SERVER_WROTE``: the connection must be closed, or the pool
+    would take it back as good). A connection that died silently (a network partition)
+    still fails on its first query, with ``503 SERVICE_UNAVAILABLE``, as it would after any
+    check.
     """
-    pgconn = conn.pgconn
     if pgconn.status != ConnStatus.OK or pgconn.transaction_status != TransactionStatus.IDLE:
-        raise psycopg.OperationalError("the pooled connection is not idle")
+        return NOT_IDLE
     readable, _, _ = select.select([pgconn.socket], [], [], 0)
-    if readable:
+    return SERVER_WROTE if readable else None
+
+
+def check_idle_connection(conn: psycopg.Connection) -> None:
+    """Refuse a connection ``idle_connection_problem`` finds unusable (the pool's ``check``: it hands out another)."""
+    problem = idle_connection_problem(conn.pgconn)
+    if problem == SERVER_WROTE:
         conn.close()
-        raise psycopg.OperationalError("the server closed the pooled connection, or wrote to it unasked")
+    if problem is not None:
+        raise psycopg.OperationalError(problem)
 
 
 class FailFastPool(ConnectionPool):

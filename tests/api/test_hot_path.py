@@ -511,6 +511,47 @@ def test_a_request_that_finds_no_pooled_connection_is_answered_by_the_view(api_p
     assert hot.SERVED["careful"] == careful + 1
 
 
+def _terminate_backend(pid: int) -> None:
+    """End a session from the server's side, as a restart or a failover does (waiting until it has ended)."""
+    from django.db import connection
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s, 10000)", [pid])
+            assert cursor.fetchone() == (True,)
+    finally:
+        connection.close()
+
+
+def test_a_pooled_connection_the_server_ended_is_replaced_not_answered_503(api_process):
+    """After a restart each connection left in the hot pool would fail its first request with 503:
+    the pool's check sees the server's goodbye on the socket and opens another instead."""
+    state = fresh_state()
+    path, body, headers = complete(state)
+
+    async def scenario():
+        from runstate_project.asgi import application
+
+        pool = await hot_db.pool()
+        await pool.wait(timeout=30)
+        try:
+            async with pool.connection() as conn:
+                old_pid = conn.info.backend_pid
+            await asyncio.to_thread(_terminate_backend, old_pid)
+            transport = httpx.ASGITransport(app=application)
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+                answer = await client.post(path, content=body, headers=headers)
+            async with pool.connection() as conn:
+                return answer, old_pid, conn.info.backend_pid
+        finally:
+            await hot_db.close()
+
+    answer, old_pid, new_pid = asyncio.run(scenario())
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["state"] == "SUCCEEDED"
+    assert new_pid != old_pid
+
+
 def test_a_submit_on_the_hot_path_stores_the_callers_trace_context(api_process):
     answers, served = answered(api_process, True, CASES["submit with a trace context, then claim it"])
     assert served == 2

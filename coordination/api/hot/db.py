@@ -19,6 +19,8 @@ from psycopg import InterfaceError as PsycopgInterfaceError
 from psycopg import OperationalError as PsycopgOperationalError
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from runstate_project.postgresql.base import SERVER_WROTE, idle_connection_problem
+
 _pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool] = {}
 # How long a request waits for one of the pool's connections before it is handed to the DRF
 # path, whose pool answers 503 at once while the server is down, or waits while it is busy
@@ -38,6 +40,19 @@ def _connection_kwargs() -> dict:
     return params
 
 
+async def _check(conn: AsyncConnection) -> None:
+    """Refuse a pooled connection the server has closed (a restart, a failover), as the DRF path's pool does.
+
+    No round trip: ``idle_connection_problem`` looks at the socket. Without it, each
+    connection left in the pool across a restart answered one request ``503``.
+    """
+    problem = idle_connection_problem(conn.pgconn)
+    if problem == SERVER_WROTE:
+        await conn.close()
+    if problem is not None:
+        raise PsycopgOperationalError(problem)
+
+
 async def _configure(conn: AsyncConnection) -> None:
     # What Django's ``_configure_timezone`` does on a new connection.
     if conn.info.parameter_status("TimeZone") != "UTC" and settings.USE_TZ:
@@ -55,6 +70,7 @@ async def pool() -> AsyncConnectionPool:
             max_size=settings.RUNSTATE_HOT_POOL_SIZE,
             timeout=settings.RUNSTATE_HOT_POOL_TIMEOUT_S,
             configure=_configure,
+            check=_check,
             open=False,
             name="runstate-hot",
         )
