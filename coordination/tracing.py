@@ -4,9 +4,10 @@ A submit or send stores its caller's W3C context (``TraceContext``): the request
 ``traceparent``/``tracestate`` headers, or in-process (the Celery decorator's ``submit``)
 the current span. When this process traces (``runstate_project.tracing`` set a provider up
 from the ``OTEL_*`` variables), the submit is a ``send`` span, child of the caller's, and
-the task stores that span's context instead. Coordination has spans of its own: a cancel
-(with the counts its cascade ended), a group's finalize (its outcome), a barrier's release,
-a timer's firing, a wait for a pool, quota or budget.
+the task stores that span's context instead. A rerun continues the old task's trace
+(``work_trace``). Coordination has spans of its own: a cancel (with the counts its cascade
+ended), a group's finalize (its outcome), a barrier's release, a timer's firing, a wait for
+a pool or a quota (a budget reservation never waits).
 
 When nothing traces, ``span`` yields None and costs a lookup of the global provider; a
 request without a ``traceparent`` header costs the header's read.
@@ -18,13 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Link, SpanKind
 
 from runstate._tracing import (
     MAX_TRACESTATE_CHARS,
     TRACER_NAME,
     current_headers,
     parent_context,
+    remote_span_context,
     tracing_on,
     valid_traceparent,
 )
@@ -91,20 +93,27 @@ def span(
     mailbox: str | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
     parent: TraceContext | None = None,
+    links: tuple[TraceContext, ...] = (),
     **attributes: Any,
 ) -> Iterator[Any]:
     """Run the block in a span named ``name`` (a child of ``parent`` when given); yield it, or None when off.
 
     ``attributes`` become ``runstate.<name>`` (``run_id``, ``task_id``...); ``operation`` and
     ``mailbox`` the messaging conventions' ``messaging.operation.type`` and
-    ``messaging.destination.name``.
+    ``messaging.destination.name``. ``links`` are contexts the span relates to without being
+    their child (another trace's caller); the empty ones are skipped.
     """
     if not tracing_on():
         yield None
         return
     context = parent_context(parent.traceparent, parent.tracestate) if parent else None
+    linked = [remote_span_context(link.traceparent, link.tracestate) for link in links if link]
     with trace.get_tracer(TRACER_NAME).start_as_current_span(
-        name, context=context, kind=kind, attributes=_attributes(operation, mailbox, attributes)
+        name,
+        context=context,
+        kind=kind,
+        attributes=_attributes(operation, mailbox, attributes),
+        links=[Link(span_context) for span_context in linked if span_context is not None],
     ) as current:
         yield current
 
@@ -128,12 +137,34 @@ def annotate(current: Any, **attributes: Any) -> None:
 
 
 @contextmanager
-def send_span(mailbox: str, caller: TraceContext, **attributes: Any) -> Iterator[tuple[Any, TraceContext]]:
+def send_span(
+    mailbox: str, caller: TraceContext, *, links: tuple[TraceContext, ...] = (), **attributes: Any
+) -> Iterator[tuple[Any, TraceContext]]:
     """Trace a submit or send to ``mailbox``; yield the span and the context to store with the work.
 
     The stored context is the ``send`` span's when this process traces, otherwise the caller's.
     """
     with span(
-        f"send {mailbox}", operation="send", mailbox=mailbox, kind=SpanKind.PRODUCER, parent=caller, **attributes
+        f"send {mailbox}",
+        operation="send",
+        mailbox=mailbox,
+        kind=SpanKind.PRODUCER,
+        parent=caller,
+        links=links,
+        **attributes,
     ) as current:
         yield current, (TraceContext.current() if current is not None else caller)
+
+
+def work_trace(stored: TraceContext, caller: TraceContext) -> tuple[TraceContext, tuple[TraceContext, ...]]:
+    """Return the context a resubmit of work (a rerun) continues, and the contexts it links to.
+
+    ``stored`` is the context the work's first submit stored, ``caller`` the resubmit's. The
+    work's own trace continues, as a Celery retry or a Temporal activity's next attempt stays
+    in the trace it started in: a caller in another trace becomes a link of the ``send``
+    span; a caller already in the work's trace is its parent (it names the cause). Work that
+    stored no context continues the caller's.
+    """
+    if not stored or (caller and caller.trace_id == stored.trace_id):
+        return caller or stored, ()
+    return stored, (caller,) if caller else ()

@@ -136,7 +136,7 @@ def current_headers() -> dict[str, str]:
     return _header_of(span_context) if span_context.is_valid else {}
 
 
-def _remote_span_context(traceparent: str | None, tracestate: str | None = None) -> Any:
+def remote_span_context(traceparent: str | None, tracestate: str | None = None) -> Any:
     """Return the remote span context ``traceparent`` names (None if it names none)."""
     if trace is None or not valid_traceparent(traceparent):
         return None
@@ -150,7 +150,7 @@ def _remote_span_context(traceparent: str | None, tracestate: str | None = None)
 
 def parent_context(traceparent: str | None, tracestate: str | None = None) -> Any:
     """Return an OpenTelemetry context whose span is the remote one ``traceparent`` names (None if it names none)."""
-    span_context = _remote_span_context(traceparent, tracestate)
+    span_context = remote_span_context(traceparent, tracestate)
     return trace.set_span_in_context(NonRecordingSpan(span_context)) if span_context is not None else None
 
 
@@ -212,7 +212,7 @@ def record_receive(mailbox: str, *, run_id: str | None, started_ns: int, items: 
         return
     links = []
     for item in items:
-        sender = _remote_span_context(item.get("traceparent"), item.get("tracestate"))
+        sender = remote_span_context(item.get("traceparent"), item.get("tracestate"))
         if sender is not None:
             links.append(Link(sender))
     attributes = _attributes("receive", mailbox, run_id=run_id)
@@ -239,9 +239,12 @@ class ProcessSpan:
         self.span = span
         self.context = trace.set_span_in_context(span) if span is not None else None
 
-    def fail(self, error: BaseException) -> None:
-        """Record the handler's exception on the span."""
+    def fail(self, error: BaseException | str) -> None:
+        """Record the handler's exception on the span (or, given a description, mark the span failed)."""
         if self.span is not None and self.span.is_recording():
+            if isinstance(error, str):
+                self.span.set_status(Status(StatusCode.ERROR, error))
+                return
             self.span.record_exception(error)
             self.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
 

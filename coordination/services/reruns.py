@@ -6,6 +6,11 @@ code, ``GROUP_CLOSED`` through the group). What carries over from the old task: 
 (unless a new one is given), ``priority`` and ``maxAttempts``. What does not: ``expiresAt``
 (a deadline for the old task's queueing, usually past), attempts, outcome, error and the
 cancel fields. The lease TTL is the mailbox's, so it is the same for both.
+
+A rerun is the same work, so it continues the old task's trace: the new task stores the old
+one's ``traceparent``/``tracestate`` (when this process traces, those of a ``send`` span that
+is their child), and its worker's ``process`` span joins that trace. The rerun request's own
+context is a link of that span when it is in another trace (``tracing.work_trace``).
 """
 
 import uuid
@@ -18,6 +23,7 @@ from coordination.services.events import event_written_here
 from coordination.services.groups import group_join
 from coordination.services.tasks import task_submit
 from coordination.states import TASK_TERMINAL
+from coordination.tracing import NO_TRACE, TraceContext, annotate, send_span, work_trace
 
 # ``input`` not given: rerun with the old task's input (``None`` is a valid JSON input).
 OLD_INPUT = object()
@@ -25,7 +31,12 @@ OLD_INPUT = object()
 
 @transaction.atomic
 def task_rerun(
-    *, project_id: uuid.UUID, task_id: uuid.UUID, key: str | None = None, input: object = OLD_INPUT
+    *,
+    project_id: uuid.UUID,
+    task_id: uuid.UUID,
+    key: str | None = None,
+    input: object = OLD_INPUT,
+    trace: TraceContext = NO_TRACE,
 ) -> tuple[Task, bool]:
     """Submit a finished task again; return the new task and whether it was created.
 
@@ -34,6 +45,9 @@ def task_rerun(
     already used with another input, or by a task that is not a rerun of this one, is
     ``KEY_CONFLICT``. A group member is rerun into the same group while it is open, counted
     as a member joining then; a closed or finalized group answers ``GROUP_CLOSED``.
+
+    ``trace`` is the caller's W3C context; the new task continues the old task's trace
+    (see the module's doc), or the caller's when the old task stored none.
     """
     # No lock on the old task: a terminal task never changes state again, and its mailbox,
     # run, input and group are fixed once it joined one, so this read stays true.
@@ -46,15 +60,19 @@ def task_rerun(
     # The submit answers every refusal a submit there would get, in its order: the run's
     # code first, then the group's (a member on its group's gate is submitted through the
     # group, which locks the gate chain, then the group).
-    task, created = task_submit(
-        project_id=project_id,
-        mailbox=old.mailbox,
-        run_id=old.run_id,
-        input=new_input,
-        key=key,
-        priority=old.priority,
-        max_attempts=old.max_attempts,
-    )
+    parent, links = work_trace(TraceContext(old.traceparent, old.tracestate), trace)
+    with send_span(old.mailbox.name, parent, links=links, run_id=old.run_id, rerun_of=old.id) as (current, stored):
+        task, created = task_submit(
+            project_id=project_id,
+            mailbox=old.mailbox,
+            run_id=old.run_id,
+            input=new_input,
+            key=key,
+            priority=old.priority,
+            max_attempts=old.max_attempts,
+            trace=stored,
+        )
+        annotate(current, task_id=task.id, group_id=task.group_id)
     if not created:
         if task.rerun_of_id != old.id:
             message = "The key is used by a task that is not a rerun of this one."

@@ -55,7 +55,11 @@ def timer_create(
 
 
 def _fire(timer: Timer, now: datetime) -> list[Event]:
-    """Fire a locked armed timer; a timer due after its run's deadline is cancelled instead."""
+    """Fire a locked armed timer; a timer due after its run's deadline is cancelled instead.
+
+    Every firing is a ``fire timer`` span (when tracing): its wake-up's, an acknowledge's that
+    found it due, a create's of a timer already due.
+    """
     if timer.run_deadline is not None and timer.fire_at >= timer.run_deadline:
         timer.state = TimerState.CANCELLED
         timer.save(update_fields=["state"])
@@ -66,6 +70,7 @@ def _fire(timer: Timer, now: datetime) -> list[Event]:
         timer.save(update_fields=["state", "fired_at"])
         event = event_for(timer, "timer.fired", fireAt=timer.fire_at.isoformat(), lateMs=_late_ms(timer, now))
     events_record_many([event])
+    record_span("fire timer", timer_id=timer.id, run_id=timer.run_id, state=timer.state)
     return [event]
 
 
@@ -83,7 +88,6 @@ def timer_fire(*, timer_id: uuid.UUID) -> Timer | None:
     now = timezone.now()
     if timer.state == TimerState.ARMED and timer.fire_at <= now:
         _fire(timer, now)
-        record_span("fire timer", timer_id=timer.id, run_id=timer.run_id, state=timer.state)
     return timer
 
 

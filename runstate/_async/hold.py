@@ -8,7 +8,7 @@ it for one task.
 
 from typing import TYPE_CHECKING
 
-from runstate._tracing import in_span, leave
+from runstate._tracing import ProcessSpan, in_span, leave
 from runstate._worker import AsyncHoldContext, Holder
 
 if TYPE_CHECKING:
@@ -46,14 +46,29 @@ class AsyncHold:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.claim.id}>"
 
+    @property
+    def trace(self) -> ProcessSpan:
+        """The claim's ``process`` span (a child of the submitter's), started on entry or ``start``."""
+        return self._holder.held.trace
+
+    async def start(self) -> AsyncHoldContext:
+        """Start renewing without entering a block, for holders that outlive one (with ``detach``).
+
+        The claim's ``process`` span starts, but is not made current: the caller runs in no
+        block of it.
+        """
+        await self._holder.enter()
+        return self.ctx
+
     async def detach(self) -> None:
         """Stop renewing without recording anything: the caller records the claim's end itself.
 
         For holders that outlive one ``async with`` block (the MCP server holds a session's claims
         between tool calls and records ``task_complete`` / ``task_fail`` / ``task_release`` as asked).
+        The ``process`` span (``trace``) is left to the caller, who settles (``trace.settle``)
+        and ends it.
         """
         await self._holder.stop()
-        self._holder.held.trace.end()
 
     async def __aenter__(self) -> AsyncHoldContext:
         await self._holder.enter()

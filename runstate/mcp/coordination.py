@@ -247,7 +247,7 @@ def _register_messages(tool: ToolDecorator, answer: Answerer) -> None:
             )
             got.extend(deliveries)
             for delivery in deliveries:
-                s.hold_delivery(delivery, visibilityMs)
+                s.hold_delivery(delivery, visibilityMs, mailbox=mailbox, run_id=runId)
             return {"deliveries": [delivery.data for delivery in deliveries]}
 
         async def undo(s: Session) -> None:  # cancelled after receiving: put the messages back at once
@@ -265,12 +265,12 @@ def _register_messages(tool: ToolDecorator, answer: Answerer) -> None:
         """Acknowledge a received message: it was handled and is never delivered again. Answers the `message`."""
 
         async def do(s: Session) -> JsonDict:
-            held = await s.drop_delivery(deliveryId)
-            delivery = (
-                held.delivery
-                if held is not None
-                else AsyncDelivery(s.http, {"deliveryId": deliveryId, "messageId": "", "body": None, "attempt": 0})
-            )
-            return {"message": await delivery.complete()}
+            async with s.settling_delivery(deliveryId, "completed") as held:
+                delivery = (
+                    held.delivery
+                    if held is not None
+                    else AsyncDelivery(s.http, {"deliveryId": deliveryId, "messageId": "", "body": None, "attempt": 0})
+                )
+                return {"message": await delivery.complete()}
 
         return await answer(ctx, do)

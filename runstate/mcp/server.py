@@ -380,18 +380,18 @@ def build_server(config: ServerConfig) -> MCPServer:
         """
 
         async def do(s: Session) -> JsonDict:
-            held = await s.release_hold(claimId)
-            claim = held.claim if held is not None else s.claim(claimId)
-            try:
-                return {"task": await claim.complete(outcome)}
-            except ScopeInactiveError:
-                if held is None:
-                    raise
-                # The run stopped under the claim: the service already recorded the task CANCELLED.
-                task = await s.rs.tasks.get(claim.task_id).status()
-                if task.get("state") != "CANCELLED":
-                    raise
-                return {"task": task}
+            async with s.settling(claimId, "complete") as held:
+                claim = held.claim if held is not None else s.claim(claimId)
+                try:
+                    return {"task": await claim.complete(outcome)}
+                except ScopeInactiveError:
+                    if held is None:
+                        raise
+                    # The run stopped under the claim: the service already recorded the task CANCELLED.
+                    task = await s.rs.tasks.get(claim.task_id).status()
+                    if task.get("state") != "CANCELLED":
+                        raise
+                    return {"task": task}
 
         return await answer(ctx, do)
 
@@ -408,8 +408,8 @@ def build_server(config: ServerConfig) -> MCPServer:
         """
 
         async def do(s: Session) -> JsonDict:
-            await s.release_hold(claimId)
-            return {"task": await s.claim(claimId).fail(error, retry=retry)}
+            async with s.settling(claimId, "fail", failure=f"task_fail: {json.dumps(error, default=str)[:500]}"):
+                return {"task": await s.claim(claimId).fail(error, retry=retry)}
 
         return await answer(ctx, do)
 

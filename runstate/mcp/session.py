@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from time import monotonic
 from typing import Any
@@ -22,6 +22,7 @@ from runstate._async.pools import AsyncPoolLease
 from runstate._async.work import AsyncClaim, AsyncDelivery
 from runstate._config import JsonDict
 from runstate._errors import LeaseLostError, RunstateError, ScopeInactiveError
+from runstate._tracing import ProcessSpan, process_span
 
 logger = logging.getLogger("runstate.mcp")
 
@@ -66,12 +67,30 @@ class ClaimCall:
     after: str | None
 
 
+@contextlib.contextmanager
+def _ending(trace: ProcessSpan, mailbox: str, outcome: str, failure: str | None = None) -> Iterator[None]:
+    """Run the block in a ``settle`` span (``outcome``) under ``trace``, a ``process`` span that ends with it.
+
+    ``failure`` (a description) marks the process span failed.
+    """
+    try:
+        if failure is not None:
+            trace.fail(failure)
+        with trace.settle(mailbox, outcome=outcome):
+            yield
+    finally:
+        trace.end()
+
+
 @dataclass
 class HeldDelivery:
     """A queue delivery the session holds, its visibility extended in the background until completed."""
 
     delivery: AsyncDelivery
     visibility_ms: int
+    mailbox: str = ""
+    # The message's ``process`` span (a child of its sender's), from the receive to message_complete.
+    trace: ProcessSpan = field(default_factory=lambda: ProcessSpan(None))
     keeper: "asyncio.Task[None] | None" = None
     refused_code: str | None = None
     lost: bool = False
@@ -156,18 +175,41 @@ class Session:
             await lease.stop_renewing()
         return lease
 
-    def hold_delivery(self, delivery: AsyncDelivery, visibility_ms: int | None) -> None:
-        """Keep ``delivery`` invisible to others until message_complete or the session's end."""
-        held = HeldDelivery(delivery, visibility_ms or DEFAULT_VISIBILITY_MS)
+    def hold_delivery(self, delivery: AsyncDelivery, visibility_ms: int | None, *, mailbox: str, run_id: str) -> None:
+        """Keep ``delivery`` invisible to others until message_complete or the session's end.
+
+        Its ``process`` span starts here, a child of the sender's, as in ``consume_messages``.
+        """
+        trace = process_span(
+            mailbox,
+            traceparent=delivery.data.get("traceparent"),
+            tracestate=delivery.data.get("tracestate"),
+            run_id=run_id,
+            message_id=delivery.message_id,
+            attempt=delivery.attempt,
+        )
+        held = HeldDelivery(delivery, visibility_ms or DEFAULT_VISIBILITY_MS, mailbox, trace)
         held.keeper = asyncio.get_running_loop().create_task(held.keep_visible())
         self.deliveries[delivery.id] = held
 
     async def drop_delivery(self, delivery_id: str) -> HeldDelivery | None:
-        """Stop extending the delivery (the caller completes it); return what was held."""
+        """Stop extending the delivery and end its ``process`` span (the caller puts it back); return what was held."""
         held = self.deliveries.pop(delivery_id, None)
         if held is not None:
             await held.stop()
+            held.trace.end()
         return held
+
+    @contextlib.asynccontextmanager
+    async def settling_delivery(self, delivery_id: str, outcome: str) -> AsyncIterator[HeldDelivery | None]:
+        """Stop extending ``delivery_id``; record its end in the block (its ``settle`` span); yield what was held."""
+        held = self.deliveries.pop(delivery_id, None)
+        if held is None:
+            yield None
+            return
+        await held.stop()
+        with _ending(held.trace, held.mailbox, outcome):
+            yield held
 
     async def hold(self, claim: AsyncClaim, lease_ttl_ms: int | None) -> None:
         """Start renewing ``claim`` in the background for as long as the session lives.
@@ -181,15 +223,36 @@ class Session:
                 self.mailbox_ttl_ms[mailbox] = int((await self.rs.mailboxes.retrieve(mailbox))["leaseTtlMs"])
             lease_ttl_ms = self.mailbox_ttl_ms[mailbox]
         hold = claim.hold(lease_ttl_ms=lease_ttl_ms)
-        await hold.__aenter__()
+        await hold.start()  # the claim's ``process`` span starts (a child of its submitter's)
         self.held[claim.id] = HeldClaim(claim, hold)
 
     async def release_hold(self, claim_id: str) -> HeldClaim | None:
-        """Stop renewing ``claim_id`` (the caller records its end); return what was held."""
+        """Stop renewing ``claim_id`` and end its ``process`` span (the caller records its end); return what was held.
+
+        For a release, or the session's end: no ``settle`` span (``settling`` records one).
+        """
         held = self.held.pop(claim_id, None)
         if held is not None:
             await held.hold.detach()
+            held.hold.trace.end()
         return held
+
+    @contextlib.asynccontextmanager
+    async def settling(
+        self, claim_id: str, outcome: str, *, failure: str | None = None
+    ) -> AsyncIterator[HeldClaim | None]:
+        """Stop renewing ``claim_id``, and record its end in the block: yield what was held (None: nothing).
+
+        The block is the claim's ``settle`` span (``outcome``: ``complete``, ``fail``) under its
+        ``process`` span, which ends with the block; ``failure`` marks the process span failed.
+        """
+        held = self.held.pop(claim_id, None)
+        if held is None:
+            yield None
+            return
+        await held.hold.detach()
+        with _ending(held.hold.trace, str(held.claim.task.get("mailbox")), outcome, failure):
+            yield held
 
     def claim(self, claim_id: str) -> AsyncClaim:
         """Return the held claim, or a handle on a claim this session does not hold (the service fences it)."""

@@ -32,12 +32,15 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def stdio_session(url: str, api_key: str, **options):
-    """One MCP session over stdio: a ``runstate mcp`` process of its own (``options`` for ``ClientSession``)."""
+async def stdio_session(url: str, api_key: str, env: dict[str, str] | None = None, **options):
+    """One MCP session over stdio: a ``runstate mcp`` process of its own (``options`` for ``ClientSession``).
+
+    ``env``: more variables for the process (``OTEL_*``, say).
+    """
     params = StdioServerParameters(
         command=sys.executable,
         args=["-m", "runstate.cli", "mcp"],
-        env=child_env(RUNSTATE_URL=url, RUNSTATE_API_KEY=api_key),
+        env=child_env(RUNSTATE_URL=url, RUNSTATE_API_KEY=api_key, **(env or {})),
         cwd=str(ROOT),
     )
     async with stdio_client(params) as (read, write), ClientSession(read, write, **options) as session:

@@ -1,4 +1,4 @@
-"""Tracing on for one test (a tracer provider with an in-memory exporter), and an OTLP receiver.
+"""Tracing on for one test (a tracer provider with an in-memory exporter), an OTLP receiver, an API key.
 
 OpenTelemetry lets a process set its global provider once; the fixture sets it for the test
 and puts the API's globals back as they were (no provider: tracing off) when it ends, so the
@@ -15,6 +15,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
+
+from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 
 
 def reset_tracing_globals() -> None:
@@ -36,6 +38,13 @@ def spans():
     finally:
         provider.shutdown()
         reset_tracing_globals()
+
+
+@pytest.fixture
+def api_key():
+    """A key of a project of its own, allowed everything."""
+    project = project_ensure(name="traced")
+    return api_key_create(project_id=project.id, permissions=list(ALL_PERMISSIONS), name="tracing").plaintext
 
 
 def by_name(finished, name: str) -> list:

@@ -13,7 +13,6 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from coordination.models import Task
-from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from runstate import AsyncRunstate
 from tests.tracing.conftest import by_name, one
 
@@ -22,12 +21,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01"
-
-
-@pytest.fixture
-def api_key():
-    project = project_ensure(name="traced")
-    return api_key_create(project_id=project.id, permissions=list(ALL_PERMISSIONS), name="tracing").plaintext
 
 
 def client(api_key: str) -> AsyncRunstate:
@@ -55,6 +48,32 @@ async def consume_one(rs: AsyncRunstate, run_id: str, mailbox: str, handler) -> 
     await asyncio.wait_for(running, 30)
 
 
+async def consume_messages_until(run, mailbox: str, handler) -> None:
+    """Run a message worker on ``mailbox`` until ``handler`` returns True for a message, then stop it."""
+    done = asyncio.Event()
+
+    async def handle(ctx):
+        if await handler(ctx):
+            done.set()
+
+    worker = run.message_worker(mailbox, handle, handle_signals=False, receive_wait_ms=1000)
+    running = asyncio.create_task(worker.run())
+    await asyncio.wait_for(done.wait(), 30)
+    worker.stop()
+    await asyncio.wait_for(running, 30)
+
+
+async def submit_with_traceparent(rs: AsyncRunstate, run_id: str, mailbox: str) -> dict:
+    """Submit a task over HTTP as another process would: ``TRACEPARENT`` and a ``tracestate`` in the headers."""
+    return await rs._http.request(
+        "POST",
+        f"/mailboxes/{mailbox}/tasks",
+        idempotent=False,
+        json={"runId": run_id, "input": {"n": 1}},
+        headers={"traceparent": TRACEPARENT, "tracestate": "vendor=abc"},
+    )
+
+
 def test_an_http_submit_with_a_traceparent_is_one_trace_through_consume(spans, api_key):
     inside: list = []
 
@@ -62,13 +81,7 @@ def test_an_http_submit_with_a_traceparent_is_one_trace_through_consume(spans, a
         async with client(api_key) as rs:
             await rs.mailboxes.ensure("traced", mode="WORK")
             run = await rs.scopes.create(name="traced")
-            answer = await rs._http.request(
-                "POST",
-                "/mailboxes/traced/tasks",
-                idempotent=False,
-                json={"runId": run.id, "input": {"n": 1}},
-                headers={"traceparent": TRACEPARENT, "tracestate": "vendor=abc"},
-            )
+            answer = await submit_with_traceparent(rs, run.id, "traced")
 
             async def handler(ctx):
                 inside.append(trace.get_current_span().get_span_context())
@@ -154,17 +167,12 @@ def test_a_message_sent_in_a_span_is_processed_and_settled_in_the_same_trace(spa
             run = await rs.scopes.create(name="messages")
             with trace.get_tracer("test").start_as_current_span("the sender") as sender:
                 message = await run.messages.send("traced-queue", {"hello": 1})
-            done = asyncio.Event()
 
             async def handler(ctx):
                 inside.append(trace.get_current_span().get_span_context())
-                done.set()
+                return True
 
-            worker = run.message_worker("traced-queue", handler, handle_signals=False, receive_wait_ms=1000)
-            running = asyncio.create_task(worker.run())
-            await asyncio.wait_for(done.wait(), 30)
-            worker.stop()
-            await asyncio.wait_for(running, 30)
+            await consume_messages_until(run, "traced-queue", handler)
             return sender, message
 
     sender, message = asyncio.run(scenario())
@@ -182,3 +190,40 @@ def test_a_message_sent_in_a_span_is_processed_and_settled_in_the_same_trace(spa
     assert inside[0].span_id == process.context.span_id
     assert settle.parent.span_id == process.context.span_id
     assert settle.attributes["runstate.outcome"] == "completed"
+
+
+def test_a_message_whose_handler_fails_is_redelivered_as_a_second_process_span_with_attempt_2(spans, api_key):
+    attempts: list = []
+
+    async def scenario():
+        async with client(api_key) as rs:
+            await rs.mailboxes.ensure("traced-retry-queue", mode="QUEUE")
+            run = await rs.scopes.create(name="message retry")
+            with trace.get_tracer("test").start_as_current_span("the sender") as sender:
+                message = await run.messages.send("traced-retry-queue", {"hello": 2})
+
+            async def handler(ctx):
+                attempts.append((ctx.attempt, trace.get_current_span().get_span_context().span_id))
+                if ctx.attempt == 1:
+                    raise RuntimeError("first delivery fails")
+                return True
+
+            await consume_messages_until(run, "traced-retry-queue", handler)
+            return sender, message
+
+    sender, message = asyncio.run(scenario())
+    finished = spans.get_finished_spans()
+    server_send = [span for span in by_name(finished, "send traced-retry-queue") if span.parent.is_remote][0]
+    processes = sorted(by_name(finished, "process traced-retry-queue"), key=lambda span: span.start_time)
+    assert [span.attributes["runstate.attempt"] for span in processes] == [1, 2]
+    for span in processes:
+        assert span.context.trace_id == sender.get_span_context().trace_id
+        assert span.parent.span_id == server_send.context.span_id
+        assert span.attributes["runstate.message_id"] == message["id"]
+    assert [span_id for _, span_id in attempts] == [span.context.span_id for span in processes]
+    assert not processes[0].status.is_ok and processes[1].status.is_ok
+    settles = {
+        span.parent.span_id: span.attributes["runstate.outcome"]
+        for span in by_name(finished, "settle traced-retry-queue")
+    }
+    assert settles == {processes[0].context.span_id: "retried", processes[1].context.span_id: "completed"}

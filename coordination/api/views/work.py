@@ -191,11 +191,16 @@ class TaskRerunView(ApiView):
         responses=with_errors({201: s.TaskOut, 200: OpenApiResponse(s.TaskOut, description="idempotent rerun")}),
     )
     def post(self, request, task_id):
-        """Submit the task again, with its input unless ``input`` is given; the same ``key`` answers the rerun (200)."""
+        """Submit the task again, with its input unless ``input`` is given; the same ``key`` answers the rerun (200).
+
+        The new task continues the old one's trace; a ``traceparent`` of another trace is linked.
+        """
         data = self.body(s.TaskRerunIn)
         old = selectors.task_get(self.visibility, task_id)
         extra = {"input": data["input"]} if "input" in data else {}
-        task, created = task_rerun(project_id=self.project_id, task_id=old.id, key=data["key"], **extra)
+        task, created = task_rerun(
+            project_id=self.project_id, task_id=old.id, key=data["key"], trace=self.caller_trace(), **extra
+        )
         if not created:
             return Response(present_task(task))
         return Response(present_task(task), status=201, headers={"Location": f"/v1/tasks/{task.id}"})

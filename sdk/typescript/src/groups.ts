@@ -1,6 +1,7 @@
 /** Task groups: `run.groups.create` / `byId` and the group handle. */
 
 import { Http, compact, segment, wireTime } from './http.js';
+import { sendSpan } from './tracing.js';
 import type { GroupCondition, GroupData, GroupDecision, MemberData, VerdictData } from './types.js';
 import { Ticket, type WaitTimeout } from './work.js';
 
@@ -34,10 +35,18 @@ export class Group {
    * With `key` the submit is idempotent (and retried); without one it is sent once.
    */
   async submit(input?: unknown, options: { key?: string } = {}): Promise<Ticket> {
-    const task = await this.http.request<MemberData>('POST', `${this.path}/members`, {
-      idempotent: options.key !== undefined,
-      body: { ...compact({ key: options.key }), input: input ?? {} },
-    });
+    // A `send` span as a submit's (`tracing.ts`), to the group's mailbox once the group was loaded.
+    const task = await sendSpan(
+      this.http.config.headers,
+      this.data?.mailbox ?? `group ${this.id}`,
+      this.data?.scopeId,
+      () =>
+        this.http.request<MemberData>('POST', `${this.path}/members`, {
+          idempotent: options.key !== undefined,
+          body: { ...compact({ key: options.key }), input: input ?? {} },
+        }),
+      (answer) => ({ task_id: answer.id, group_id: answer.groupId }),
+    );
     return new Ticket(this.http, task.id, task);
   }
 

@@ -6,11 +6,17 @@
  * throws. When it is, spans go to whatever tracer provider the application registered (none:
  * the API's no-op, and nothing is recorded).
  *
- * - Every request carries the active span's W3C `traceparent` (and `tracestate`), so a
- *   submit (one, a batch, a group member) or a message send stores the caller's context on
- *   the task or message.
- * - A claim (or a delivery) answers that context; the worker loops run each handler in a
- *   `process <mailbox>` span (kind consumer), its child, with the handler's span current
+ * - A submit (one, a batch, a group member) or a message send is a `send <mailbox>` span
+ *   (kind producer), child of the active span (or, with none, of a `traceparent` the client
+ *   was configured with in `headers`), with the answer's `runstate.task_id` /
+ *   `runstate.message_id`; the request carries its context, which the service stores on the
+ *   task or message.
+ * - A claim (or a receive) that hands out work is a `receive <mailbox>` span (kind client)
+ *   linked to each item's sender, with `messaging.batch.message_count` (an empty long-poll
+ *   leaves none).
+ * - Every request carries the active span's W3C `traceparent` (and `tracestate`).
+ * - A claim (or a delivery) answers the stored context; the worker loops run each handler in
+ *   a `process <mailbox>` span (kind consumer), its child, with the handler's span current
  *   (its own spans and submits nest under it), and record the result in a
  *   `settle <mailbox>` span under it. A retry or takeover is a new `process` span with its
  *   `runstate.attempt`.
@@ -38,14 +44,26 @@ interface SpanContext {
 
 interface Span {
   spanContext(): SpanContext;
+  setAttributes(attributes: Attributes): unknown;
   setStatus(status: { code: number; message?: string }): unknown;
   recordException(exception: unknown): void;
   isRecording(): boolean;
   end(): void;
 }
 
+interface Link {
+  context: SpanContext;
+}
+
+interface SpanOptions {
+  kind?: number;
+  attributes?: Attributes;
+  links?: Link[];
+  startTime?: number;
+}
+
 interface Tracer {
-  startSpan(name: string, options?: { kind?: number; attributes?: Attributes }, context?: unknown): Span;
+  startSpan(name: string, options?: SpanOptions, context?: unknown): Span;
 }
 
 interface OtelApi {
@@ -56,12 +74,13 @@ interface OtelApi {
     setSpan(context: unknown, span: Span): unknown;
     setSpanContext(context: unknown, spanContext: SpanContext): unknown;
   };
-  context: { with<T>(context: unknown, fn: () => T): T };
+  context: { active(): unknown; with<T>(context: unknown, fn: () => T): T };
   createTraceState?(raw?: string): { serialize(): string };
 }
 
 // The API's enums, by value (SpanKind, SpanStatusCode).
 const SPAN_KIND_CLIENT = 2;
+const SPAN_KIND_PRODUCER = 3;
 const SPAN_KIND_CONSUMER = 4;
 const STATUS_ERROR = 2;
 
@@ -107,29 +126,142 @@ export function traceHeaders(): Record<string, string> {
   return headers;
 }
 
-/** Return the context whose span is the remote one `traceparent` names (the root context if it names none). */
-function parentContext(api: OtelApi, traceparent: string | null | undefined, tracestate: string | null | undefined): unknown {
-  if (!validTraceparent(traceparent)) return api.ROOT_CONTEXT;
+/** Return the remote span context `traceparent` names (`null` if it names none). */
+function remoteSpanContext(
+  api: OtelApi,
+  traceparent: string | null | undefined,
+  tracestate: string | null | undefined,
+): SpanContext | null {
+  if (!validTraceparent(traceparent)) return null;
   const [, traceId = '', spanId = '', flags = '00'] = traceparent.split('-');
   const remote: SpanContext = { traceId, spanId, traceFlags: parseInt(flags, 16), isRemote: true };
   if (tracestate && api.createTraceState) remote.traceState = api.createTraceState(tracestate);
-  return api.trace.setSpanContext(api.ROOT_CONTEXT, remote);
+  return remote;
 }
 
-function attributes(operation: string, mailbox: string, runstate: Record<string, string | number | null | undefined>): Attributes {
-  const out: Attributes = {
-    'messaging.system': MESSAGING_SYSTEM,
-    'messaging.operation.type': operation,
-    'messaging.destination.name': mailbox,
-  };
+/** Return the context whose span is the remote one `traceparent` names (the root context if it names none). */
+function parentContext(api: OtelApi, traceparent: string | null | undefined, tracestate: string | null | undefined): unknown {
+  const remote = remoteSpanContext(api, traceparent, tracestate);
+  return remote === null ? api.ROOT_CONTEXT : api.trace.setSpanContext(api.ROOT_CONTEXT, remote);
+}
+
+/** Return the header `name` of `headers`, whatever its case. */
+function header(headers: Readonly<Record<string, string>>, name: string): string | undefined {
+  for (const [key, value] of Object.entries(headers)) {
+    if (key.toLowerCase() === name) return value;
+  }
+  return undefined;
+}
+
+/**
+ * Return the context a client's own span starts in: the active one when a span is active, else
+ * the remote span of the `traceparent` the client was configured to send (`headers`), if any.
+ */
+function callerContext(api: OtelApi, headers: Readonly<Record<string, string>>): unknown {
+  if (api.trace.getActiveSpan() !== undefined) return api.context.active();
+  const traceparent = header(headers, 'traceparent');
+  return traceparent === undefined ? api.context.active() : parentContext(api, traceparent, header(headers, 'tracestate'));
+}
+
+type Ids = Record<string, string | number | null | undefined>;
+
+function runstateAttributes(runstate: Ids): Attributes {
+  const out: Attributes = {};
   for (const [name, value] of Object.entries(runstate)) {
     if (value !== null && value !== undefined) out[`runstate.${name}`] = value;
   }
   return out;
 }
 
+function attributes(operation: string, mailbox: string, runstate: Ids): Attributes {
+  return {
+    'messaging.system': MESSAGING_SYSTEM,
+    'messaging.operation.type': operation,
+    'messaging.destination.name': mailbox,
+    ...runstateAttributes(runstate),
+  };
+}
+
 function describe(error: unknown): string {
   return error instanceof Error ? `${error.name}: ${error.message}` : String(error);
+}
+
+function failed(span: Span, error: unknown): void {
+  span.recordException(error instanceof Error ? error : String(error));
+  span.setStatus({ code: STATUS_ERROR, message: describe(error) });
+}
+
+/**
+ * Run `call`, a submit or send to `mailbox`, in a `send <mailbox>` span (kind producer), child of
+ * the caller's (`callerContext`): its requests carry the span's context, which the service
+ * stores with the work. `ids(answer)` names what was submitted (`task_id`, `group_id`,
+ * `message_id`). Without the API, or when nothing records the span, it is `call()`.
+ */
+export async function sendSpan<T>(
+  headers: Readonly<Record<string, string>>,
+  mailbox: string,
+  runId: string | null | undefined,
+  call: () => Promise<T>,
+  ids?: (answer: T) => Ids,
+): Promise<T> {
+  const api = otelApi();
+  if (api === null) return call();
+  const span = api.trace
+    .getTracer(TRACER_NAME)
+    .startSpan(
+      `send ${mailbox}`,
+      { kind: SPAN_KIND_PRODUCER, attributes: attributes('send', mailbox, { run_id: runId }) },
+      callerContext(api, headers),
+    );
+  if (!span.isRecording()) {
+    span.end();
+    return call();
+  }
+  try {
+    const answer = await api.context.with(api.trace.setSpan(api.context.active(), span), call);
+    if (ids !== undefined) span.setAttributes(runstateAttributes(ids(answer)));
+    return answer;
+  } catch (error) {
+    failed(span, error);
+    throw error;
+  } finally {
+    span.end();
+  }
+}
+
+/** Return when a claim or receive call starts, for `recordReceive` (0 without the API). */
+export function receiveStarted(): number {
+  return otelApi() === null ? 0 : Date.now();
+}
+
+/**
+ * Record the `receive <mailbox>` span (kind client) of a claim or receive call that started at
+ * `startedMs` and handed out `items`, linked to each item's sender (its `traceparent`). A call
+ * that handed out nothing (a long-poll that ran out) leaves no span.
+ */
+export function recordReceive(
+  headers: Readonly<Record<string, string>>,
+  mailbox: string,
+  runId: string,
+  startedMs: number,
+  items: readonly { traceparent?: string | null | undefined; tracestate?: string | null | undefined }[],
+): void {
+  const api = otelApi();
+  if (api === null || startedMs === 0 || items.length === 0) return;
+  const links: Link[] = [];
+  for (const item of items) {
+    const sender = remoteSpanContext(api, item.traceparent, item.tracestate);
+    if (sender !== null) links.push({ context: sender });
+  }
+  const spanAttributes = { ...attributes('receive', mailbox, { run_id: runId }), 'messaging.batch.message_count': items.length };
+  api.trace
+    .getTracer(TRACER_NAME)
+    .startSpan(
+      `receive ${mailbox}`,
+      { kind: SPAN_KIND_CLIENT, attributes: spanAttributes, links, startTime: startedMs },
+      callerContext(api, headers),
+    )
+    .end();
 }
 
 /** What a `process` span is started from: the claim's (or delivery's) context and ids. */
@@ -187,8 +319,7 @@ export class ProcessSpan {
 
   /** Record the handler's error on the span. */
   fail(error: unknown): void {
-    this.span.recordException(error instanceof Error ? error : String(error));
-    this.span.setStatus({ code: STATUS_ERROR, message: describe(error) });
+    failed(this.span, error);
   }
 
   /** Trace recording the result (`complete`, `fail`; for messages `completed`, `retried`, `rejected`) under this span. */
@@ -200,8 +331,7 @@ export class ProcessSpan {
     try {
       return await this.api.context.with(this.api.trace.setSpan(this.context, span), call);
     } catch (error) {
-      span.recordException(error instanceof Error ? error : String(error));
-      span.setStatus({ code: STATUS_ERROR, message: describe(error) });
+      failed(span, error);
       throw error;
     } finally {
       span.end();

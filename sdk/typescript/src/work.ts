@@ -2,6 +2,7 @@
 
 import { RunstateError, errorFromItem } from './errors.js';
 import { Http, compact, parseTime, segment, wireTime } from './http.js';
+import { receiveStarted, recordReceive, sendSpan } from './tracing.js';
 import type { ClaimData, DeliveryData, MessageData, TaskData, TaskState } from './types.js';
 
 /** Task states after which nothing changes (DESIGN.md "Tasks and claims"). */
@@ -280,10 +281,17 @@ export class Tasks {
    */
   async submit(mailbox: string, input?: unknown, options: SubmitOptions = {}): Promise<Ticket> {
     const body = { runId: needsRun(this.runId, 'tasks.submit'), ...taskBody(input, options) };
-    const task = await this.http.request<TaskData>('POST', `/mailboxes/${segment(mailbox)}/tasks`, {
-      idempotent: options.key !== undefined,
-      body,
-    });
+    const task = await sendSpan(
+      this.http.config.headers,
+      mailbox,
+      body.runId,
+      () =>
+        this.http.request<TaskData>('POST', `/mailboxes/${segment(mailbox)}/tasks`, {
+          idempotent: options.key !== undefined,
+          body,
+        }),
+      (answer) => ({ task_id: answer.id, group_id: answer.groupId }),
+    );
     return new Ticket(this.http, task.id, task);
   }
 
@@ -301,10 +309,12 @@ export class Tasks {
     for (let offset = 0; offset < bodies.length; offset += MAX_SUBMIT_BATCH) {
       const chunk = bodies.slice(offset, offset + MAX_SUBMIT_BATCH);
       try {
-        const answer = await this.http.request<{ tasks: TaskData[] }>('POST', `/mailboxes/${segment(mailbox)}/tasks/batch`, {
-          idempotent: chunk.every((task) => 'key' in task),
-          body: { runId, tasks: chunk },
-        });
+        const answer = await sendSpan(this.http.config.headers, mailbox, runId, () =>
+          this.http.request<{ tasks: TaskData[] }>('POST', `/mailboxes/${segment(mailbox)}/tasks/batch`, {
+            idempotent: chunk.every((task) => 'key' in task),
+            body: { runId, tasks: chunk },
+          }),
+        );
         tickets.push(...answer.tasks.map((task) => new Ticket(this.http, task.id, task)));
       } catch (error) {
         if (error instanceof RunstateError && offset > 0 && typeof error.details['index'] === 'number') {
@@ -326,10 +336,12 @@ export class Tasks {
     options: { max?: number; waitMs?: number; leaseTtlMs?: number; workerId?: string; signal?: AbortSignal } = {},
   ): Promise<Claim[]> {
     const wait = Math.min(options.waitMs ?? 0, 30_000);
+    const runId = needsRun(this.runId, 'tasks.claim');
+    const started = receiveStarted();
     const answer = await this.http.request<{ claims: ClaimData[] }>('POST', `/mailboxes/${segment(mailbox)}/claims`, {
       idempotent: false,
       body: compact({
-        runId: needsRun(this.runId, 'tasks.claim'),
+        runId,
         max: options.max ?? 1,
         waitMs: wait,
         leaseTtlMs: options.leaseTtlMs,
@@ -338,6 +350,7 @@ export class Tasks {
       waitMs: wait,
       signal: options.signal,
     });
+    recordReceive(this.http.config.headers, mailbox, runId, started, answer.claims);
     return answer.claims.map((claim) => new Claim(this.http, claim));
   }
 
@@ -390,10 +403,18 @@ export class Messages {
 
   /** Enqueue a message; with `key` it is idempotent (and retried), without one it is sent once. */
   send(mailbox: string, body: unknown, options: { key?: string } = {}): Promise<MessageData> {
-    return this.http.request('POST', `/mailboxes/${segment(mailbox)}/messages`, {
-      idempotent: options.key !== undefined,
-      body: { ...compact({ runId: needsRun(this.runId, 'messages.send'), key: options.key }), body: body ?? null },
-    });
+    const runId = needsRun(this.runId, 'messages.send');
+    return sendSpan(
+      this.http.config.headers,
+      mailbox,
+      runId,
+      () =>
+        this.http.request<MessageData>('POST', `/mailboxes/${segment(mailbox)}/messages`, {
+          idempotent: options.key !== undefined,
+          body: { ...compact({ runId, key: options.key }), body: body ?? null },
+        }),
+      (message) => ({ message_id: message.id }),
+    );
   }
 
   /** Receive up to `max` messages of exactly this run, waiting up to `waitMs` (30 s at most); never retried. */
@@ -402,13 +423,15 @@ export class Messages {
     options: { max?: number; visibilityMs?: number; waitMs?: number; signal?: AbortSignal } = {},
   ): Promise<Delivery[]> {
     const wait = Math.min(options.waitMs ?? 0, 30_000);
+    const runId = needsRun(this.runId, 'messages.receive');
+    const started = receiveStarted();
     const answer = await this.http.request<{ deliveries: DeliveryData[] }>(
       'POST',
       `/mailboxes/${segment(mailbox)}/deliveries`,
       {
         idempotent: false,
         body: compact({
-          runId: needsRun(this.runId, 'messages.receive'),
+          runId,
           max: options.max ?? 1,
           visibilityMs: options.visibilityMs,
           waitMs: wait,
@@ -417,6 +440,7 @@ export class Messages {
         signal: options.signal,
       },
     );
+    recordReceive(this.http.config.headers, mailbox, runId, started, answer.deliveries);
     return answer.deliveries.map((delivery) => new Delivery(this.http, delivery));
   }
 
