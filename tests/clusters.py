@@ -9,6 +9,8 @@
   too, so it runs as the same OS user as the cluster.
 
 ``pgbouncer_in_front`` starts both and always stops and deletes both, whatever the test did.
+- ``StreamingPair``: a primary and its synchronous streaming standby, named together by one
+  multi-host ``DATABASE_URL``; ``ApiOnPair`` runs a uvicorn API (and workers, beat) on it.
 Nothing here touches the machine's own servers (PostgreSQL on 5432). When ``pgbouncer`` is
 missing the tests fail with a message naming ``scripts/ensure_pgbouncer.sh``, which
 ``scripts/test`` runs to install it; ``RUNSTATE_TEST_SKIP_PGBOUNCER=1`` skips them instead,
@@ -22,16 +24,19 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 
-from tests.processes import free_port
+from tests.processes import ROOT, free_port, manage, stop_process_groups
 from tests.reliability.throwaway import PG_OS_USER, ThrowawayPostgres, port_open
+from tests.workers.live import wait_until
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
@@ -241,3 +246,95 @@ def streaming_pair() -> Iterator[StreamingPair]:
         yield pair
     finally:
         pair.destroy()
+
+
+class ApiOnPair:
+    """A uvicorn API on a ``StreamingPair``'s multi-host ``DATABASE_URL``, and processes beside it.
+
+    ``start_api()`` migrates the pair's database, creates an API key of ``project`` and starts
+    one API process, never restarted: after a promotion it must find the new primary by
+    itself. ``spawn`` starts more processes (a ``runstate worker``, a Celery worker, beat) in
+    the same environment, plus what it is given; each runs in its own process group and logs
+    to ``log_dir/<name>.log``. ``stop()`` stops them all.
+    """
+
+    REQUEST_TIMEOUT_S = 15.0
+
+    def __init__(self, pair: StreamingPair, *, broker_url: str, log_dir: Path, project: str, **env: str) -> None:
+        self.pair = pair
+        self.log_dir = log_dir
+        self.project = project
+        self.env = dict(os.environ)
+        self.env.update(
+            DATABASE_URL=pair.url(),
+            CELERY_BROKER_URL=broker_url,
+            DJANGO_SETTINGS_MODULE="runstate_project.settings",
+            PYTHONUNBUFFERED="1",
+            RUNSTATE_VAR_DIR=str(log_dir / "var"),
+            RUNSTATE_DB_POOL_SIZE="8",
+            RUNSTATE_RATE_LIMIT="1000000/min",
+            **env,
+        )
+        self.env.pop("RUNSTATE_LISTEN_DATABASE_URL", None)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.key = ""
+        self.api: subprocess.Popen | None = None
+        self.children: dict[str, subprocess.Popen] = {}
+
+    def start_api(self) -> None:
+        """Migrate, create the key, start the API and wait until it is ready."""
+        manage(self.env, "migrate", "--noinput")
+        permissions = "resource_config,coordination_write,coordination_read"
+        out = manage(self.env, "create_api_key", "--project", self.project, "--permissions", permissions)
+        self.key = out.strip().splitlines()[-1]
+        uvicorn = [sys.executable, "-m", "uvicorn", "runstate_project.asgi:application", "--log-level", "warning"]
+        self.api = self.spawn("api", [*uvicorn, "--host", "127.0.0.1", "--port", str(self.port)])
+
+        def ready() -> bool:
+            assert self.api.poll() is None, self.api_log()
+            try:
+                return httpx.get(f"{self.url}/v1/readyz", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, timeout_s=90, what="the API to be ready")
+
+    def spawn(self, name: str, command: list[str], **env: str) -> subprocess.Popen:
+        """Start ``command`` as the child ``name`` in this environment plus ``env``."""
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            child = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env={**self.env, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children[name] = child
+        return child
+
+    def log(self, name: str, tail: int = 4000) -> str:
+        """Return the end of the child ``name``'s log."""
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-tail:]
+
+    def api_log(self) -> str:
+        return self.log("api")
+
+    def logs(self) -> str:
+        """Return the end of every child's log."""
+        return "\n".join(f"--- {name}\n{self.log(name)}" for name in self.children)
+
+    def assert_alive(self) -> None:
+        """Fail, with the logs, when a child has exited."""
+        dead = {name: child.returncode for name, child in self.children.items() if child.poll() is not None}
+        assert not dead, f"exited: {dead}\n{self.logs()}"
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=self.REQUEST_TIMEOUT_S
+        )
+
+    def stop(self) -> None:
+        """Stop every child (SIGTERM to its group, then SIGKILL)."""
+        stop_process_groups(self.children.values())

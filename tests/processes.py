@@ -1,11 +1,15 @@
-"""Child processes of the live tests: free ports and stopping process groups."""
+"""Child processes of the live tests: free ports, ``manage.py`` commands, stopping process groups."""
 
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -31,3 +35,12 @@ def stop_process_groups(processes: Iterable[subprocess.Popen], grace_s: float = 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def manage(env: dict[str, str], *args: str) -> str:
+    """Run ``manage.py`` with ``args`` in ``env`` (its own ``DATABASE_URL``...); return its output, fail on an error."""
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout

@@ -1,13 +1,17 @@
 """An SDK consumer in a process of its own, for the fault tests (not a test module).
 
     python -m tests.reliability.fault_consumer MAILBOX LEDGER_DIR CONCURRENCY LEASE_TTL_MS
+    RUNSTATE_FAULT_LEDGER_DIR=LEDGER_DIR runstate worker tests.reliability.fault_consumer:work ...
 
 Uses the sync client configured from RUNSTATE_URL / RUNSTATE_API_KEY / RUNSTATE_SCOPE_ID.
 Every claim, renew, complete, fail and release the worker loop sends (each item of its
 buffered ``complete_many`` / ``renew_many`` batches on its own), and each handler's side
-effect, is recorded in ``LEDGER_DIR/consumer-<pid>.jsonl``. The client makes no
-retries of its own, so each recorded call is one request and a refusal is never the answer
-to a retry of a request that had already committed.
+effect, is recorded in ``LEDGER_DIR/consumer-<pid>.jsonl``. Run as a module, the client
+makes no retries of its own, so each recorded call is one request and a refusal is never
+the answer to a retry of a request that had already committed. Loaded as the handler of
+``runstate worker`` (with ``RUNSTATE_FAULT_LEDGER_DIR`` set), the command's client retries
+as it always does: a call that took more than one request is recorded with
+``http_requests`` (``tests/reliability/ledger.py``, ``watch_sdk``).
 
 A task's input says what its handler does: ``{"i", "seconds"}`` sleeps, then returns;
 ``{"hold_log": path}`` on attempt 1 writes ``holding <task id> <pid>`` to that file and
@@ -17,15 +21,27 @@ waits for its signal (a lost claim), returning nothing the loop would record.
 import os
 import sys
 import time
-from pathlib import Path
 
 from runstate import Runstate
+from runstate._async.http import AsyncHttp
 from runstate._async.work import AsyncClaim, AsyncTasks, claim_id_of
-from tests.reliability.ledger import Ledger, error_code
+from tests.reliability.ledger import LEDGER_DIR_ENV, Ledger, counting_requests, error_code, process_ledger, watch_http
+
+
+def ledger() -> Ledger:
+    """Return this process's ledger (``consumer-<pid>.jsonl`` when ``RUNSTATE_FAULT_LEDGER_DIR`` is set)."""
+    return process_ledger("consumer")
 
 
 def instrument(ledger: Ledger) -> None:
     """Record the worker loop's claim operations (the async engine behind ``consume``)."""
+    init = AsyncHttp.__init__
+
+    def watched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        watch_http(self._client)  # each call's retries are counted
+
+    AsyncHttp.__init__ = watched_init
     claim = AsyncTasks.claim
 
     async def recorded_claim(self, mailbox, **kwargs):
@@ -61,16 +77,21 @@ def instrument(ledger: Ledger) -> None:
             ]
             started = time.monotonic_ns()
             try:
-                results = await method(self, items, **kwargs)
+                with counting_requests() as requests:
+                    results = await method(self, items, **kwargs)
             except BaseException as error:
                 code = error_code(error) if isinstance(error, Exception) else None
                 for item in fields:
+                    if requests[0] > 1:
+                        item["http_requests"] = requests[0]
                     if code is not None:
                         ledger.record(op, code=code, started_ns=started, **item)
                     else:
                         ledger.record(op, unknown=True, started_ns=started, error_type=type(error).__name__, **item)
                 raise
             for item, result in zip(fields, results, strict=True):
+                if requests[0] > 1:
+                    item["http_requests"] = requests[0]
                 if not result.ok:  # the server answered this item: a refusal
                     ledger.record(op, code=result.error.code, started_ns=started, **item)
                 elif op == "complete":
@@ -88,27 +109,31 @@ def instrument(ledger: Ledger) -> None:
     AsyncTasks.renew_many = recorded_batch("renew", AsyncTasks.renew_many)
 
 
+def work(ctx):
+    """The handler: ``{"i", "seconds"}`` sleeps, records its effect, returns; ``{"hold_log"}`` holds attempt 1."""
+    task_input = ctx.input
+    if task_input.get("hold_log") and ctx.attempt == 1:
+        with open(task_input["hold_log"], "a") as log:
+            log.write(f"holding {ctx.task_id} {os.getpid()}\n")
+        ctx.signal.wait(60)
+        return {"held": True, "pid": os.getpid()}
+    time.sleep(task_input.get("seconds", 0))
+    ledger().record("effect", ok=True, task_id=ctx.task_id, attempt=ctx.attempt)
+    return {"i": task_input.get("i"), "attempt": ctx.attempt, "pid": os.getpid()}
+
+
 def main(mailbox: str, ledger_dir: str, concurrency: int, lease_ttl_ms: int) -> None:
-    ledger = Ledger(Path(ledger_dir) / f"consumer-{os.getpid()}.jsonl", source=f"consumer/{os.getpid()}")
-    instrument(ledger)
-
-    def handler(ctx):
-        task_input = ctx.input
-        if task_input.get("hold_log") and ctx.attempt == 1:
-            with open(task_input["hold_log"], "a") as log:
-                log.write(f"holding {ctx.task_id} {os.getpid()}\n")
-            ctx.signal.wait(60)
-            return {"held": True, "pid": os.getpid()}
-        time.sleep(task_input.get("seconds", 0))
-        ledger.record("effect", ok=True, task_id=ctx.task_id, attempt=ctx.attempt)
-        return {"i": task_input.get("i"), "attempt": ctx.attempt, "pid": os.getpid()}
-
+    os.environ[LEDGER_DIR_ENV] = ledger_dir
+    instrument(ledger())
     with Runstate(max_retries=0) as rs:
         summary = rs.scope().consume(
-            mailbox, handler, concurrency=concurrency, lease_ttl_ms=lease_ttl_ms, claim_wait_ms=2000, drain_timeout=5
+            mailbox, work, concurrency=concurrency, lease_ttl_ms=lease_ttl_ms, claim_wait_ms=2000, drain_timeout=5
         )
     print(f"summary completed={summary.completed} lost={summary.lost} stop_reason={summary.stop_reason}", flush=True)
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+elif os.environ.get(LEDGER_DIR_ENV):
+    # Imported by ``runstate worker`` for its handler: record that worker's calls.
+    instrument(ledger())

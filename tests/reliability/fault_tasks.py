@@ -9,26 +9,17 @@ id and completion, and the services for the rest); it changes nothing they do.
 
 import os
 import time
-from pathlib import Path
 
 from coordination.exceptions import CoordinationError
-from tests.reliability.ledger import Ledger
+from tests.reliability.ledger import LEDGER_DIR_ENV, Ledger, process_ledger
 from workers import runstate_task
 
 PROJECT = "faults"
-LEDGER_DIR_ENV = "RUNSTATE_FAULT_LEDGER_DIR"
-
-_ledger: Ledger | None = None
 
 
 def ledger() -> Ledger:
-    """Return this process's ledger (entries go to ``celery-<pid>.jsonl`` when the directory is set)."""
-    global _ledger
-    if _ledger is None:
-        directory = os.environ.get(LEDGER_DIR_ENV)
-        path = Path(directory) / f"celery-{os.getpid()}.jsonl" if directory else None
-        _ledger = Ledger(path, source=f"celery/{os.getpid()}")
-    return _ledger
+    """Return this process's ledger (``celery-<pid>.jsonl`` when ``RUNSTATE_FAULT_LEDGER_DIR`` is set)."""
+    return process_ledger("celery")
 
 
 # A lease of 2 s (renewed every 0.67 s): a killed worker's tasks come back within ~3 s.

@@ -96,6 +96,8 @@ import contextlib
 import contextvars
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -164,7 +166,11 @@ def watch_sdk(client) -> None:
     held to ``refused_not_recorded``. Works with ``Runstate`` and ``AsyncRunstate``; the
     other way is a client with ``max_retries=0``.
     """
-    http = client._http._client
+    watch_http(client._http._client)
+
+
+def watch_http(http) -> None:
+    """Count the requests ``http`` (an ``httpx.Client`` or ``AsyncClient``) sends within ``counting_requests``."""
 
     def count(request) -> None:
         requests = _http_requests.get()
@@ -178,6 +184,17 @@ def watch_sdk(client) -> None:
 
     hook = count_async if isinstance(http, httpx.AsyncClient) else count
     http.event_hooks = {**http.event_hooks, "request": [*http.event_hooks.get("request", []), hook]}
+
+
+@contextlib.contextmanager
+def counting_requests() -> Iterator[list[int]]:
+    """Count, in the yielded list's one item, the requests watched clients send within the block."""
+    requests = [0]
+    token = _http_requests.set(requests)
+    try:
+        yield requests
+    finally:
+        _http_requests.reset(token)
 
 
 @dataclass
@@ -279,13 +296,11 @@ class Ledger:
     def op(self, op: str, **fields: Any) -> Iterator[Call]:
         """Record the operation run in the ``with`` block: ok, refused (re-raised) or unknown (re-raised)."""
         call = Call(dict(fields))
-        requests = [0]
-        token = _http_requests.set(requests)
         started = time.monotonic_ns()
         try:
-            yield call
+            with counting_requests() as requests:
+                yield call
         except BaseException as error:
-            _http_requests.reset(token)
             if requests[0] > 1:
                 call.fields["http_requests"] = requests[0]
             code = error_code(error) if isinstance(error, Exception) else None
@@ -294,7 +309,6 @@ class Ledger:
             else:
                 self.record(op, unknown=True, started_ns=started, error_type=type(error).__name__, **call.fields)
             raise
-        _http_requests.reset(token)
         if requests[0] > 1:
             call.fields["http_requests"] = requests[0]
         self.record(op, ok=True, started_ns=started, **call.fields)
@@ -366,6 +380,60 @@ class Ledger:
         if report.violations:
             raise AssertionError(report.describe())
         return report
+
+
+# Ledgers of child processes ----------------------------------------------------------------
+
+# The directory where worker processes started by a test write their ledgers.
+LEDGER_DIR_ENV = "RUNSTATE_FAULT_LEDGER_DIR"
+_process_ledgers: dict[tuple[str, int], Ledger] = {}
+_process_ledgers_lock = threading.Lock()
+
+
+def process_ledger(kind: str) -> Ledger:
+    """Return this process's ledger: its entries go to ``<kind>-<pid>.jsonl`` in ``LEDGER_DIR_ENV``'s directory.
+
+    Without the variable the entries stay in memory. A forked child gets a ledger of its own.
+    """
+    key = (kind, os.getpid())
+    with _process_ledgers_lock:
+        if key not in _process_ledgers:
+            directory = os.environ.get(LEDGER_DIR_ENV)
+            path = Path(directory) / f"{kind}-{os.getpid()}.jsonl" if directory else None
+            _process_ledgers[key] = Ledger(path, source=f"{kind}/{os.getpid()}")
+        return _process_ledgers[key]
+
+
+# Checking in a process of its own ------------------------------------------------------
+
+_CHECK_SCRIPT = """
+import sys
+import django
+django.setup()
+from tests.reliability.ledger import Ledger
+project_id, drained, *paths = sys.argv[1:]
+report = Ledger.load(*paths).assert_clean(project_id, drained_runs=[run for run in drained.split(",") if run])
+print(report.describe())
+"""
+
+
+def check_in_process(env: dict[str, str], project_id: str, *paths: str | os.PathLike, drained_runs=()) -> str:
+    """Hold the database ``env`` names to the ledgers at ``paths`` in a child process; return the counts line.
+
+    For the tests that run runstate on servers of their own (a throwaway cluster, a standby
+    pair): this process's Django is set up for the suite's database, the child's for
+    ``env``'s ``DATABASE_URL``. Raise ``AssertionError`` with every violation.
+    """
+    checked = subprocess.run(
+        [sys.executable, "-c", _CHECK_SCRIPT, str(project_id), ",".join(map(str, drained_runs)), *map(str, paths)],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, f"{checked.stdout}\n{checked.stderr[-6000:]}"
+    return checked.stdout.strip().splitlines()[-1].strip()
 
 
 def _jsonable(value: Any) -> Any:

@@ -22,9 +22,6 @@ Durations are reported, never asserted beyond the 30 s the issue names.
 """
 
 import logging
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -34,9 +31,8 @@ import httpx
 import psycopg
 import pytest
 
-from tests.clusters import StreamingPair
-from tests.processes import free_port, stop_process_groups
-from tests.reliability.ledger import Ledger
+from tests.clusters import ApiOnPair, StreamingPair, streaming_pair
+from tests.reliability.ledger import Ledger, check_in_process
 from tests.reliability.throwaway import throwaway_redis  # noqa: F401 - fixture
 from tests.workers.live import wait_until
 
@@ -44,7 +40,6 @@ pytestmark = [pytest.mark.postgres_only]
 
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
-ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "failover"
 MAILBOX = "failover-work"
 GROUP_MAILBOX = "failover-group"  # claimed only once the standby is promoted
@@ -54,44 +49,12 @@ REQUEST_TIMEOUT_S = 15.0
 NO_PRIMARY_FOR_S = 2.0
 RESUME_LIMIT_S = 30.0
 
-LEDGER_CHECK = """
-import sys
-import django
-django.setup()
-from tests.reliability.ledger import Ledger
-print(Ledger.load(sys.argv[1]).assert_clean(sys.argv[2]).describe())
-"""
 
-
-def manage(env, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
-class Failover:
+class Failover(ApiOnPair):
     """The pair, the API on its multi-host URL, and the client threads' record."""
 
     def __init__(self, pair: StreamingPair, redis, log_dir: Path) -> None:
-        self.pair = pair
-        self.log_dir = log_dir
-        self.env = dict(os.environ)
-        self.env.update(
-            DATABASE_URL=pair.url(),
-            CELERY_BROKER_URL=redis.url(0),
-            DJANGO_SETTINGS_MODULE="runstate_project.settings",
-            PYTHONUNBUFFERED="1",
-            RUNSTATE_VAR_DIR=str(log_dir / "var"),
-            RUNSTATE_DB_POOL_SIZE="8",
-            RUNSTATE_RATE_LIMIT="1000000/min",
-        )
-        self.env.pop("RUNSTATE_LISTEN_DATABASE_URL", None)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api: subprocess.Popen | None = None
-        self.key = ""
+        super().__init__(pair, broker_url=redis.url(0), log_dir=log_dir, project=PROJECT)
         self.work_run = ""
         self.events_read: list[tuple[int, str]] = []  # (event id, phase when read) by the cursor reader
         self.events_done = threading.Event()
@@ -109,51 +72,9 @@ class Failover:
     # -- processes
 
     def start_api(self) -> None:
-        manage(self.env, "migrate", "--noinput")
-        out = manage(
-            self.env,
-            "create_api_key",
-            "--project",
-            PROJECT,
-            "--permissions",
-            "resource_config,coordination_write,coordination_read",
-        )
-        self.key = out.strip().splitlines()[-1]
-        command = [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "runstate_project.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-        ]
-        with open(self.log_dir / "api.log", "wb") as log:
-            self.api = subprocess.Popen(
-                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-        def ready() -> bool:
-            assert self.api.poll() is None, self.api_log()
-            try:
-                return httpx.get(f"{self.url}/v1/readyz", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(ready, timeout_s=90, what="the API to be ready")
+        super().start_api()
         with self.client() as client:
             assert client.put(f"/v1/mailboxes/{MAILBOX}", json={"mode": "WORK"}).status_code in (200, 201)
-
-    def api_log(self) -> str:
-        return (self.log_dir / "api.log").read_text(errors="replace")[-4000:]
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=REQUEST_TIMEOUT_S
-        )
 
     # -- recording
 
@@ -375,17 +296,13 @@ class Failover:
 
 @pytest.fixture
 def failover(throwaway_redis, tmp_path):  # noqa: F811 - pytest fixture
-    pair = StreamingPair()
-    built = None
-    try:
-        pair.start()
+    with streaming_pair() as pair:
         built = Failover(pair, throwaway_redis, tmp_path)
-        built.start_api()
-        yield built
-    finally:
-        if built is not None and built.api is not None:
-            stop_process_groups([built.api])
-        pair.destroy()
+        try:
+            built.start_api()
+            yield built
+        finally:
+            built.stop()
 
 
 def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes(failover):
@@ -479,15 +396,7 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
     assert set(read) == stored, f"missing {sorted(stored - set(read))[:20]}, extra {sorted(set(read) - stored)[:20]}"
     read_by_phase = Counter(phase for _, phase in failover.events_read)
     assert read_by_phase["before"] and read_by_phase["after"], read_by_phase
-    checked = subprocess.run(
-        [sys.executable, "-c", LEDGER_CHECK, str(failover.ledger.path), project_id],
-        cwd=ROOT,
-        env=failover.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert checked.returncode == 0, f"{checked.stdout}\n{checked.stderr[-6000:]}"
+    counts = check_in_process(failover.env, project_id, failover.ledger.path)
 
     print(
         f"\nfailover: no primary for {promoted_at - stopped_at:.2f} s; after the promotion the first "
@@ -496,5 +405,5 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
         f"acknowledged: {failover.count('submit')} submits, {failover.count('complete')} completes, "
         f"{failover.count('cancel_run')} run cancels; events read by cursor {len(read)} "
         f"(by phase {dict(read_by_phase)}); group waits by phase {dict(waits_by_phase)}; "
-        f"ledger {checked.stdout.strip().splitlines()[-1]}"
+        f"ledger {counts}"
     )

@@ -32,8 +32,8 @@ import pytest
 from psycopg_pool import PoolTimeout
 
 from runstate_project.postgresql.base import FailFastPool, check_idle_connection
-from tests.processes import free_port, stop_process_groups
-from tests.reliability.ledger import Ledger
+from tests.processes import free_port, manage, stop_process_groups
+from tests.reliability.ledger import Ledger, check_in_process
 from tests.reliability.throwaway import (  # noqa: F401 - fixtures
     ThrowawayPostgres,
     throwaway_postgres,
@@ -113,14 +113,6 @@ def stack_env(pg, redis, log_dir: Path) -> dict[str, str]:
         RUNSTATE_RATE_LIMIT="1000000/min",
     )
     return env
-
-
-def manage(env, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -396,15 +388,6 @@ def warm_up(load: Load) -> None:
     )
 
 
-LEDGER_CHECK = """
-import sys
-import django
-django.setup()
-from tests.reliability.ledger import Ledger
-print(Ledger.load(sys.argv[1]).assert_clean(sys.argv[2]).describe())
-"""
-
-
 def assert_nothing_lost(stack: Stack, load: Load) -> None:
     """The database holds to the ledger; bound work gets done and timers fire."""
 
@@ -428,16 +411,7 @@ def assert_nothing_lost(stack: Stack, load: Load) -> None:
 
     # The ledger reads the database through Django: check in a process set up for the throwaway one.
     (project_id,) = stack.sql("SELECT id::text FROM coordination_project WHERE name = %s", PROJECT)[0]
-    checked = subprocess.run(
-        [sys.executable, "-c", LEDGER_CHECK, str(load.ledger.path), project_id],
-        cwd=ROOT,
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert checked.returncode == 0, f"{checked.stdout}\n{checked.stderr[-4000:]}"
-    load.ledger_counts = checked.stdout.strip().splitlines()[-1].strip()
+    load.ledger_counts = check_in_process(stack.env, project_id, load.ledger.path)
 
 
 def report(title: str, load: Load, **figures) -> None:

@@ -64,7 +64,8 @@ def processes(*commands, log_dir: Path):
             log.close()
 
 
-def worker_command(concurrency: int = 4) -> list[str]:
+def worker_command(concurrency: int = 4, *, include: tuple[str, ...] = ()) -> list[str]:
+    """Return a threads-pool Celery worker's command line; ``include`` names task modules to load."""
     return [
         sys.executable,
         "-m",
@@ -74,6 +75,7 @@ def worker_command(concurrency: int = 4) -> list[str]:
         "worker",
         "--pool=threads",
         f"--concurrency={concurrency}",
+        *(f"--include={module}" for module in include),
         "--loglevel=INFO",
         "--without-gossip",
         "--without-mingle",
