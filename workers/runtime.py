@@ -36,6 +36,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import SoftTimeLimitExceeded
+from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 
 from coordination import exceptions
@@ -59,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 TRACEBACK_LINES = 30
 EXPLICIT_HEARTBEAT_TIMEOUT_S = 30.0
+# The pauses between tries while the database cannot be reached (``_through_outages``).
+RECONNECT_PAUSE_S = 0.25
+RECONNECT_PAUSE_MAX_S = 2.0
 
 
 class TaskCancelled(Exception):  # noqa: N818 - reads as what happened, like asyncio.CancelledError
@@ -359,12 +363,12 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
     """Handle one delivery of ``task_id``; return what happened (for logs): a task state or why nothing was done.
 
     The worker keeps its database connection from task to task (``runstate_project.celery``);
-    a claim or record that meets a connection the server dropped (a PostgreSQL restart) is
-    tried once more on a new one.
+    a claim or record that meets a connection the server dropped (a PostgreSQL restart, a
+    failover) is tried again on a new one, until the database answers (``_through_outages``).
     """
-    project_id, mailbox_id = bound.ids()
+    project_id, mailbox_id = _through_outages(bound.ids)
     try:
-        claim = _after_disconnect_once_more(
+        claim = _through_outages(
             lambda: task_claim_by_id_narrow(
                 project_id=project_id,
                 task_id=uuid.UUID(str(task_id)),
@@ -429,24 +433,49 @@ def _work(
     finally:
         heartbeat.let_go(ctx._held)
     with trace.settle(bound.mailbox_name, outcome="complete" if error is None else "fail"):
-        return _after_disconnect_once_more(lambda: _record(bound, ctx, project_id, outcome, error))
+        return _through_outages(lambda: _record(bound, ctx, project_id, outcome, error))
 
 
-def _after_disconnect_once_more(call):
-    """Return ``call()``; when it fails on a connection that no longer answers, reconnect and call it again.
+def database_wait_s() -> float:
+    """Return how long one delivery waits for an unreachable database before it gives its claim or record up."""
+    configured = getattr(settings, "RUNSTATE_WORKER_DB_WAIT_S", None)
+    return float(configured if configured is not None else os.environ.get("RUNSTATE_WORKER_DB_WAIT_S", "60"))
 
-    Every call here is fenced, so a second try after a first that did commit changes
-    nothing (a claim then finds the task held, a completion finds it finished). Outside a
-    transaction only, and only when the connection itself is gone: other errors propagate.
+
+def _through_outages(call):
+    """Return ``call()``; while the database cannot be reached, reconnect and call again until it answers.
+
+    A connection the server dropped (a restart, a crash of the primary) fails the first
+    statement sent on it: it is replaced and the call tried again at once. While no server
+    accepts a connection (PostgreSQL down, or no primary: libpq's
+    ``target_session_attrs=read-write`` turns a standby not yet promoted away), the call is
+    tried again after a pause growing to ``RECONNECT_PAUSE_MAX_S``, for up to
+    ``RUNSTATE_WORKER_DB_WAIT_S`` seconds (default 60); then the error propagates, the message
+    is acknowledged, and the sweeps send the work again (a lease that ran out, a claimable task
+    left unclaimed). The delivery holds its message meanwhile (late acknowledgement), so a
+    worker without a database takes no further message rather than failing each one at once.
+
+    Every call here is fenced, so a try after one that did commit changes nothing (a claim
+    then finds the task held, a completion finds it finished). Outside a transaction only,
+    and only when the connection itself is gone: other errors propagate at once.
     """
-    try:
-        return call()
-    except (OperationalError, InterfaceError):
-        if connection.in_atomic_block or connection.connection is None or connection.is_usable():
-            raise
-        logger.info("the database connection was lost; reconnecting", exc_info=True)
-        connection.close()
-        return call()
+    deadline = None
+    pause = 0.0
+    while True:
+        try:
+            return call()
+        except (OperationalError, InterfaceError) as error:
+            if connection.in_atomic_block or (connection.connection is not None and connection.is_usable()):
+                raise
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + database_wait_s()
+                logger.warning("the database is unreachable (%s); trying again for up to %.0f s", error, deadline - now)
+            if now + pause > deadline:
+                raise
+            connection.close()
+            time.sleep(pause)
+            pause = min(max(pause * 2, RECONNECT_PAUSE_S), RECONNECT_PAUSE_MAX_S)
 
 
 def _record(bound: RunstateTask, ctx: TaskContext, project_id: uuid.UUID, outcome: Any, error: dict | None) -> str:

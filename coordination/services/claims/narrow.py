@@ -15,7 +15,7 @@ When a statement touches no row the service function answers instead (its carefu
 decides the exact answer: ``None``, ``LEASE_LOST``, a run's refusal), so every answer is
 the service's. On SQLite, or with ``RUNSTATE_FAST_PATHS`` off, only the services run.
 Errors are Django's (``connection.wrap_database_errors``), so a dropped connection is
-noticed as before (``close_old_connections``, ``runtime._after_disconnect_once_more``).
+noticed as before (``close_old_connections``, ``runtime._through_outages``).
 """
 
 from __future__ import annotations
