@@ -50,6 +50,9 @@ LEASE_MS = 2000  # a task held at the switch whose complete is lost runs again w
 HANDLER_S = 0.2
 SUBMIT_EVERY_S = 0.05
 BURST = 20  # tasks submitted at once just before the crash: more than the worker takes in a second
+# Every acknowledged task is done within this of the load's end: the 2 s lease, the 1 s sweep,
+# and room to spare, but less than the re-wake sweep's 60 s, which a lost message would wait for.
+DRAIN_TIMEOUT_S = 30
 AFTER_PROMOTION = 10  # submits acknowledged after the promotion before the load stops
 # The SDK's retries wait Retry-After (1 s) at first, then its growing jittered backoff: ~30 s in all.
 SDK_RETRIES = 10
@@ -230,7 +233,7 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
     try:
         wait_until(
             lambda: len(done(api, acknowledged)) == len(acknowledged),
-            timeout_s=60,
+            timeout_s=DRAIN_TIMEOUT_S,
             interval_s=0.25,
             what=f"{what} to complete every acknowledged submit",
         )
@@ -328,7 +331,8 @@ def test_runstate_task_on_a_celery_worker_rides_out_a_failover_and_completes_eac
     api_on_pair, tmp_path
 ):
     purge_broker()
-    api = api_on_pair(CELERY_PROJECT, RUNSTATE_TASK_MODULES=CELERY_MODULE)
+    # The re-wake sweep at its default: the work must not wait for it (DRAIN_TIMEOUT_S is shorter).
+    api = api_on_pair(CELERY_PROJECT, RUNSTATE_TASK_MODULES=CELERY_MODULE, RUNSTATE_REWAKE_AFTER_S="60")
     run_id = prepare(api, CELERY_MAILBOX)
     ledger_dir = tmp_path / "ledgers"
     ledger_dir.mkdir()
