@@ -15,6 +15,7 @@ request without a ``traceparent`` header costs the header's read.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,13 @@ def annotate(current: Any, **attributes: Any) -> None:
         current.set_attributes(_attributes(None, None, attributes))
 
 
+# The ``send`` span open in this context: its mailbox, the span and the context its work
+# stores. A ``send_span`` to that mailbox inside it joins it: the API's hot path opens a
+# submit's span itself and, when its statement touched no row, hands the request to the view
+# inside it (coordination/api/hot), so a request is one ``send`` span whichever path answers.
+_open_send: ContextVar[tuple[str, Any, TraceContext] | None] = ContextVar("runstate_open_send", default=None)
+
+
 @contextmanager
 def send_span(
     mailbox: str, caller: TraceContext, *, links: tuple[TraceContext, ...] = (), **attributes: Any
@@ -143,7 +151,19 @@ def send_span(
     """Trace a submit or send to ``mailbox``; yield the span and the context to store with the work.
 
     The stored context is the ``send`` span's when this process traces, otherwise the caller's.
+    Inside another ``send_span`` to ``mailbox`` (the hot path's, around the view it hands a
+    request to) it yields that one's span and context, with ``attributes`` set on it.
     """
+    joined = _open_send.get()
+    if joined is not None and joined[0] == mailbox:
+        _, current, stored = joined
+        if current is None:
+            yield current, stored
+            return
+        annotate(current, **attributes)
+        with trace.use_span(current, end_on_exit=False):  # an exception is recorded on it, as on its own
+            yield current, stored
+        return
     with span(
         f"send {mailbox}",
         operation="send",
@@ -153,7 +173,12 @@ def send_span(
         links=links,
         **attributes,
     ) as current:
-        yield current, (TraceContext.current() if current is not None else caller)
+        stored = TraceContext.current() if current is not None else caller
+        token = _open_send.set((mailbox, current, stored))
+        try:
+            yield current, stored
+        finally:
+            _open_send.reset(token)
 
 
 def work_trace(stored: TraceContext, caller: TraceContext) -> tuple[TraceContext, tuple[TraceContext, ...]]:

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from coordination import process_cache, selectors
 from coordination.api import hot
@@ -37,6 +39,7 @@ from coordination.services.tasks import task_submit
 from coordination.states import MailboxMode, Permission
 from tests.api.test_process_cache import caches_on
 from tests.concurrency.util import run_closing
+from tests.tracing.conftest import spans  # noqa: F401 - the fixture: tracing on, an in-memory exporter
 from tests.workers.live import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
@@ -609,3 +612,180 @@ def test_a_key_taken_while_the_batch_statement_runs_leaves_the_batch_to_the_view
     assert [(t["key"], t["input"]) for t in answer.json()["tasks"]] == [("a", 1), ("b", 2)]
     assert hot.SERVED["careful"] == careful + 1
     assert Task.objects.filter(run_id=run.id, key__in=["a", "b"]).count() == 2
+
+
+# Issue 29: with tracing on, the hot path serves the endpoints that make their views' spans and
+# makes the same trace: a submit's ``send`` span (child of the caller's), the statement's span
+# from the psycopg instrumentation (under it, or a root of its own as on the DRF path), and the
+# task storing the ``send`` span's context.
+CALLER_SPAN_ID = TRACED["traceparent"].split("-")[2]
+# Each case: how many of its requests the hot path answers itself, and how many are submits.
+TRACED_CASES = {
+    "complete": (1, 0),
+    "fail": (1, 0),
+    "fail and retry": (1, 0),
+    "release": (1, 0),
+    "renew": (1, 0),
+    "claim two": (1, 0),
+    "submit": (1, 1),
+    "submit expired": (1, 1),  # refused inside the span: the error is recorded on it
+    "submit with a trace context, then claim it": (2, 1),
+    "complete batch": (1, 0),
+    "complete batch, some claims lost": (1, 0),
+    "renew batch": (1, 0),
+    "submit batch, then claim": (2, 1),
+    "submit with a key twice": (1, 2),  # the second by the view, inside the hot path's span
+    "submit key conflict": (1, 2),  # the second refused by the view, inside the hot path's span
+    "submit batch twice (idempotent resubmit)": (1, 2),
+}
+# Cases whose trees are compared without the statements' spans: the hot path runs a statement
+# the DRF path does not. The batch submit's is its own (SUBMIT_BATCH_SQL; the view locks the
+# chain, then SUBMIT_MANY_SQL: docs/internals.md, "The hot path"); a statement that touched no
+# row runs before the view answers, inside the same ``send`` span.
+RUNSTATE_SPANS_ONLY = {
+    "submit batch, then claim",
+    "submit with a key twice",
+    "submit key conflict",
+    "submit batch twice (idempotent resubmit)",
+}
+
+
+@pytest.fixture
+def statements(request):
+    """Tracing on (``spans``: yielded), and the psycopg instrumentation as ``setup_tracing`` turns it on."""
+    from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
+
+    exporter = request.getfixturevalue("spans")
+
+    def fresh_connections():  # the process's pooled connections were made by the connect of before
+        connection.close()
+        connection.close_pool()
+
+    instrumentor = PsycopgInstrumentor()
+    instrumentor.instrument(tracer_provider=trace.get_tracer_provider(), skip_dep_check=True)
+    fresh_connections()
+    try:
+        yield exporter
+    finally:
+        instrumentor.uninstrument()
+        fresh_connections()
+
+
+# What a connection runs when it is made (the time zone) or starts listening: not a request's.
+_CONNECTION_STATEMENTS = re.compile(r"SET TIME ZONE |SELECT set_config\('TimeZone'|LISTEN ")
+
+
+def _kept(span, statements: bool) -> bool:
+    if span.instrumentation_scope.name == "runstate":
+        return True
+    return statements and not _CONNECTION_STATEMENTS.match(span.attributes.get("db.statement", ""))
+
+
+def span_tree(finished, *, statements: bool = True) -> list[tuple]:
+    """The spans in the order they started: name, kind, parent, attributes, status, events (ids and times aside).
+
+    ``parent`` is the parent's place in the list, ``caller`` for the caller's span (``TRACED``),
+    None for a root. Ids in attribute values become placeholders in order of appearance.
+    ``statements=False`` leaves the statements' spans out.
+    """
+    kept = sorted((span for span in finished if _kept(span, statements)), key=lambda span: span.start_time)
+    place = {span.context.span_id: index for index, span in enumerate(kept)}
+    seen: dict[bytes, bytes] = {}
+
+    def plain(value) -> bytes:
+        return _ID.sub(lambda match: seen.setdefault(match[0], b"<id%d>" % len(seen)), str(value).encode())
+
+    tree = []
+    for span in kept:
+        parent = None if span.parent is None else place.get(span.parent.span_id, f"{span.parent.span_id:016x}")
+        events = [(event.name, plain(event.attributes.get("exception.message"))) for event in span.events]
+        attributes = sorted((name, plain(value)) for name, value in span.attributes.items())
+        tree.append((span.name, span.kind, parent, attributes, span.status.status_code, events))
+    return [(*rest[:2], "caller" if rest[2] == CALLER_SPAN_ID else rest[2], *rest[3:]) for rest in tree]
+
+
+def stored_contexts(state: State, finished) -> list[tuple]:
+    """What each task the requests submitted stores: its flags, the span its ``traceparent`` names, its tracestate."""
+    named = {format(span.context.span_id, "016x"): span for span in finished}
+    shapes = []
+    for traceparent, tracestate in (
+        Task.objects.filter(run_id=state.run_id).exclude(traceparent="").values_list("traceparent", "tracestate")
+    ):
+        version, trace_id, span_id, flags = traceparent.split("-")
+        span = named.get(span_id)
+        same_trace = span is not None and format(span.context.trace_id, "032x") == trace_id
+        shape = (span.name, span.kind, same_trace) if span is not None else (span_id, None, None)
+        shapes.append((version, flags, *shape, tracestate))
+    return sorted(shapes, key=repr)
+
+
+def traced(settings, hot_on: bool, case: str, exporter) -> tuple:
+    """Answer a case as ``answered`` does with tracing on; also return the requests' spans and stored contexts."""
+    states = []
+
+    def build(state):
+        states.append(state)
+        requests = CASES[case](state)
+        exporter.clear()  # the state's own statements are not the requests'
+        return requests
+
+    answers, served = answered(settings, hot_on, build)
+    finished = exporter.get_finished_spans()
+    # A span id the answer carries (a claim's traceparent) differs by construction, as the ids do.
+    answers = [(status, _SPAN_IN_TRACEPARENT.sub(rb"\1<span>", body), headers) for status, body, headers in answers]
+    return answers, served, finished, stored_contexts(states[0], finished)
+
+
+_SPAN_IN_TRACEPARENT = re.compile(rb"(<id\d+>-)[0-9a-f]{16}")
+
+
+@pytest.mark.parametrize("case", list(TRACED_CASES))
+def test_with_tracing_on_the_hot_path_serves_and_makes_the_views_trace(api_process, statements, case):
+    hot_answers, hot_served, hot_spans, hot_stored = traced(api_process, True, case, statements)
+    drf_answers, drf_served, drf_spans, drf_stored = traced(api_process, False, case, statements)
+    served, submits = TRACED_CASES[case]
+    assert hot_answers == drf_answers
+    assert (hot_served, drf_served) == (served, 0), "the hot path did not answer"
+    with_statements = case not in RUNSTATE_SPANS_ONLY
+    assert span_tree(hot_spans, statements=with_statements) == span_tree(drf_spans, statements=with_statements)
+    assert hot_stored == drf_stored
+    assert [span.name for span in hot_spans].count("send work") == submits  # one per submit, whichever path
+
+
+def test_a_traced_submit_on_the_hot_path_is_a_send_span_over_its_statement(api_process, statements):
+    answers, served, finished, stored = traced(
+        api_process, True, "submit with a trace context, then claim it", statements
+    )
+    assert served == 2
+    tree = span_tree(finished)
+    # The send span under the caller's, the submit's statement under it; the claim's statement a root.
+    assert [(name, kind, parent) for name, kind, parent, *_ in tree] == [
+        ("send work", SpanKind.PRODUCER, "caller"),
+        ("WITH", SpanKind.CLIENT, 0),
+        ("WITH", SpanKind.CLIENT, None),
+    ]
+    send_attributes = dict(tree[0][3])
+    assert send_attributes["messaging.system"] == b"runstate"
+    assert send_attributes["messaging.operation.type"] == b"send"
+    assert send_attributes["messaging.destination.name"] == b"work"
+    assert set(send_attributes) >= {"runstate.run_id", "runstate.task_id"}
+    assert dict(tree[1][3])["db.system"] == b"postgresql"
+    # The task stores the send span's context, in the caller's trace, with the caller's tracestate.
+    assert stored == [("00", "01", "send work", SpanKind.PRODUCER, True, "vendor=1")]
+
+
+def test_a_hot_pool_opened_in_a_span_keeps_its_connections_statements_out_of_it(statements, monkeypatch):
+    monkeypatch.setenv("PGTZ", "Europe/Paris")  # a new connection then sets the time zone (db._configure)
+    tracer = trace.get_tracer("test")
+
+    async def scenario():
+        try:
+            with tracer.start_as_current_span("the request that opens the pool"):
+                await (await hot_db.pool()).wait(timeout=30)
+        finally:
+            await hot_db.close()
+
+    asyncio.run(scenario())
+    set_up = [span for span in statements.get_finished_spans() if span.name == "SET"]
+    assert set_up, "no connection set its time zone"
+    assert [span.parent for span in set_up] == [None] * len(set_up)

@@ -31,11 +31,24 @@ middleware chain (its throttle does not count it again). A claim batch whose sta
 decided some items (committed) and left others answers those others through the service's
 careful path in one thread hop; a batch submit inserts every task or none.
 
+**Tracing.** In a process that traces (``OTEL_*``) the hot path serves the endpoints that
+make their views' spans (``Endpoint.traced``: every one here) and leaves the others' requests
+to their views, untouched. A served request makes the trace its view makes: a submit's
+``send`` span (``Endpoint.spans``: ``coordination.tracing.send_span``, the child of the
+request's ``traceparent``), open around the statement, an error recorded on it, its context
+the one the tasks store; the statement's span from the psycopg instrumentation, which covers
+the pool's ``AsyncConnection`` (under the ``send`` span; a root of its own for a claim's
+operation, as on the DRF path). A request handed to the view is answered inside that span and
+the view's ``send_span`` joins it: one ``send`` span per request, whichever path answers.
+Neither path has a server span: ``/v1`` takes ``API_MIDDLEWARE``, which the Django
+instrumentation does not join.
+
 **Equivalence.** ``tests/api/test_hot_path.py`` sends a fixed table of requests (valid,
 invalid, unknown claim, lost lease, unauthorized, foreign project, bound key, rate limited)
 and Hypothesis-generated bodies to the application with the hot path on and off, on identical
 fresh state, and compares status, body and headers; a counter (``SERVED``) shows that the hot
-path, not DRF, answered.
+path, not DRF, answered. With tracing on (an in-memory exporter, the psycopg instrumentation)
+it compares the span trees and the contexts the tasks store as well.
 """
 
 import io
@@ -74,17 +87,15 @@ _renderer = JSONRenderer()
 
 
 def enabled() -> bool:
-    """Tell whether the hot path serves (``RUNSTATE_HOT_PATH``, PostgreSQL, fast paths on, this process not tracing).
+    """Tell whether the hot path serves (``RUNSTATE_HOT_PATH``, PostgreSQL, fast paths on).
 
-    A process that traces (``OTEL_*``) answers through the DRF views, whose submit is a
-    ``send`` span (``coordination/tracing.py``); the hot path stores the caller's context as
-    the view does when nothing traces.
+    In a process that traces (``OTEL_*``) it serves the endpoints that make their views' spans
+    (``Endpoint.traced``) and leaves the others to their views.
     """
     return (
         settings.RUNSTATE_HOT_PATH
         and getattr(settings, "RUNSTATE_FAST_PATHS", True)
         and connections.settings[DEFAULT_DB_ALIAS]["ENGINE"].endswith("postgresql")
-        and not tracing_on()
     )
 
 
@@ -126,6 +137,8 @@ class HotRouter:
         if found is None or not enabled():
             return await self.fallback(scope, receive, send)
         endpoint, match = found
+        if not endpoint.traced and tracing_on():  # its view makes spans it does not
+            return await self.fallback(scope, receive, send)
         api_key = self._caller(scope, endpoint)
         if api_key is None or not self._plain_headers(scope, endpoint):
             SERVED["declined"] += 1
@@ -220,16 +233,20 @@ class HotRouter:
             SERVED["throttled"] += 1
             return self._response(endpoint, errors.exception_handler(drf.Throttled(wait), {}))
         try:
-            answer = await endpoint.answer(call, self.fallback.in_thread)
-        except db.NoConnection:  # the server down or the pool busy: the DRF path's pool decides
-            answer = None
+            # The view's own spans (a submit's ``send``), open until the request is answered: an
+            # error is recorded on them as on the view's, and a view that answers joins them.
+            with endpoint.spans(call):
+                try:
+                    answer = await endpoint.answer(call, self.fallback.in_thread)
+                except db.NoConnection:  # the server down or the pool busy: the DRF path's pool decides
+                    answer = None
+                if answer is None:
+                    SERVED["careful"] += 1
+                    setattr(request, COUNTED_ATTRIBUTE, True)
+                    return await self.fallback.view_response(request)
         except (exceptions.CoordinationError, drf.APIException, OperationalError, InterfaceError) as error:
             SERVED["refused"] += 1
             return self._response(endpoint, errors.exception_handler(error, {}))
-        if answer is None:
-            SERVED["careful"] += 1
-            setattr(request, COUNTED_ATTRIBUTE, True)
-            return await self.fallback.view_response(request)
         SERVED[type(endpoint).__name__] += 1
         return self._response(endpoint, answer)
 

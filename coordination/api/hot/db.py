@@ -13,6 +13,7 @@ import asyncio
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, InterfaceError, OperationalError, connections
+from opentelemetry import context as otel_context
 from psycopg import AsyncConnection, AsyncCursor
 from psycopg import IntegrityError as PsycopgIntegrityError
 from psycopg import InterfaceError as PsycopgInterfaceError
@@ -75,7 +76,14 @@ async def pool() -> AsyncConnectionPool:
             name="runstate-hot",
         )
         _pools[loop] = found
-        await found.open(wait=False)
+        # Outside the span of the request that opens it: the pool's workers keep the context
+        # they start in, and that span would be the parent of every span they make (a new
+        # connection's set-up statement).
+        token = otel_context.attach(otel_context.Context())
+        try:
+            await found.open(wait=False)
+        finally:
+            otel_context.detach(token)
     return found
 
 

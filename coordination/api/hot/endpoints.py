@@ -5,9 +5,13 @@ from there), checks what the view would check before it writes (``accepts``: any
 cannot decide from the process caches sends the request to the view), builds its statement
 with the service's own function (``coordination.services.claims``) and answers from the rows.
 No rows: the view answers (the careful path).
+
+Under tracing an endpoint serves only if it makes the spans its view makes (``traced``, with
+``spans`` around the answer); the router leaves every traced request of another to its view.
 """
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +19,7 @@ from django.db import IntegrityError
 from django.utils import timezone
 from rest_framework.response import Response
 
-from coordination import selectors
+from coordination import selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.auth import Principal
 from coordination.api.bodies import task_spec
@@ -45,7 +49,11 @@ Hop = Callable[..., Awaitable[Any]]
 
 @dataclass
 class Call:
-    """One request the hot path serves: its key, route arguments, validated body and caller's trace context."""
+    """One request the hot path serves: its key, route arguments, validated body and trace context.
+
+    ``trace`` is the caller's context (the request's headers) until the endpoint's ``spans``
+    open its view's span: then that span (``span``) and the context the work stores.
+    """
 
     api_key: ApiKey
     kwargs: dict
@@ -53,6 +61,7 @@ class Call:
     trace: TraceContext = NO_TRACE
     mailbox: Mailbox | None = None
     run_id: Any = None
+    span: Any = None
 
     @property
     def project_id(self):
@@ -109,10 +118,20 @@ class Endpoint:
 
     view: type
     serializer: type | None
+    # Whether it makes the spans its view makes (``spans``): in a process that traces, the
+    # router leaves every request of an endpoint that does not to its view.
+    traced = False
 
     def accepts(self, call: Call) -> bool:
         """Tell whether the hot path can answer ``call`` as the view would (else the view answers)."""
         return True
+
+    def spans(self, call: Call) -> AbstractContextManager:
+        """Open the view's own spans for ``call``, around the answer and the view's if it answers (none here).
+
+        A statement's span is the psycopg instrumentation's, on either path.
+        """
+        return nullcontext()
 
     async def answer(self, call: Call, hop: Hop) -> Response | None:
         """Run the statement; return the view's answer, or None when the careful path (the view) must answer."""
@@ -123,6 +142,7 @@ class Complete(Endpoint):
     """``POST /v1/claims/{id}/complete``."""
 
     view, serializer = work.ClaimCompleteView, s.CompleteIn
+    traced = True
 
     async def answer(self, call, hop):  # noqa: D102
         statement = operations.complete_statement(
@@ -135,6 +155,7 @@ class Fail(Endpoint):
     """``POST /v1/claims/{id}/fail``."""
 
     view, serializer = work.ClaimFailView, s.FailIn
+    traced = True
 
     async def answer(self, call, hop):  # noqa: D102
         data = call.data
@@ -152,6 +173,7 @@ class Release(Endpoint):
     """``POST /v1/claims/{id}/release`` (its view reads no body)."""
 
     view, serializer = work.ClaimReleaseView, None
+    traced = True
 
     async def answer(self, call, hop):  # noqa: D102
         statement = operations.release_statement(project_id=call.project_id, claim_id=call.kwargs["claim_id"])
@@ -162,6 +184,7 @@ class Renew(Endpoint):
     """``POST /v1/claims/{id}/renew``."""
 
     view, serializer = work.ClaimRenewView, s.RenewIn
+    traced = True
 
     async def answer(self, call, hop):  # noqa: D102
         statement, params = operations.renew_statement(
@@ -178,6 +201,7 @@ class ClaimTasks(Endpoint):
     """``POST /v1/mailboxes/{name}/claims`` without a wait (a claim that may wait is the view's long-poll)."""
 
     view, serializer = work.ClaimCollectionView, s.ClaimIn
+    traced = True
 
     def accepts(self, call):  # noqa: D102
         return call.data["waitMs"] == 0 and _cached_mailbox_and_run(call)
@@ -199,13 +223,24 @@ class ClaimTasks(Endpoint):
         return Response({"claims": [present_claim(claim, mailbox.name) for claim in claims]})
 
 
+@contextmanager
+def _send_span(call: Call) -> Iterator[None]:
+    """Open a submit's ``send`` span as its view does; the tasks store its context (``call.trace``)."""
+    with tracing.send_span(call.mailbox.name, call.trace, run_id=call.run_id) as (call.span, call.trace):
+        yield
+
+
 class Submit(Endpoint):
     """``POST /v1/mailboxes/{name}/tasks``."""
 
     view, serializer = work.TaskSubmitView, s.TaskSubmitIn
+    traced = True
 
     def accepts(self, call):  # noqa: D102
         return _cached_mailbox_and_run(call)
+
+    def spans(self, call):  # noqa: D102
+        return _send_span(call)
 
     async def answer(self, call, hop):  # noqa: D102
         data, mailbox, now = call.data, call.mailbox, timezone.now()
@@ -216,6 +251,7 @@ class Submit(Endpoint):
         rows = await db.fetch(*task_services.submit_statement(task, mailbox, now))
         if not task_services.submitted(task, rows):  # a key used before, a gate, an inactive run
             return None
+        tracing.annotate(call.span, task_id=task.id, group_id=task.group_id)
         if wake is not None:  # a mailbox bound to a Celery task: its message, as the service sends it
             await hop(wake)
         return Response(present_task(task, mailbox.name), status=201, headers={"Location": f"/v1/tasks/{task.id}"})
@@ -249,6 +285,7 @@ class CompleteMany(Endpoint):
     """``POST /v1/claims/complete``: a batch (its view's per-item answer, ``presenters.present_completed_batch``)."""
 
     view, serializer = work.ClaimBatchCompleteView, s.ClaimsCompleteIn
+    traced = True
 
     async def answer(self, call, hop):  # noqa: D102
         batch = batches.complete_batch(
@@ -264,6 +301,7 @@ class RenewMany(Endpoint):
     """``POST /v1/claims/renew``: a batch (its view's per-item answer, ``presenters.present_renewed_batch``)."""
 
     view, serializer = work.ClaimBatchRenewView, s.ClaimsRenewIn
+    traced = True
 
     async def answer(self, call, hop):  # noqa: D102
         batch = batches.renew_batch(
@@ -280,9 +318,13 @@ class SubmitMany(Endpoint):
     """``POST /v1/mailboxes/{name}/tasks/batch``: every task in one statement, or the view answers."""
 
     view, serializer = work.TaskBatchSubmitView, s.TaskBatchIn
+    traced = True
 
     def accepts(self, call):  # noqa: D102
         return _cached_mailbox_and_run(call)
+
+    def spans(self, call):  # noqa: D102
+        return _send_span(call)
 
     async def answer(self, call, hop):  # noqa: D102
         mailbox, now = call.mailbox, timezone.now()
@@ -301,6 +343,7 @@ class SubmitMany(Endpoint):
             return None
         if not task_services.submitted_many(tasks, rows):  # a key used before, a gate, an inactive run
             return None
+        tracing.annotate(call.span, batch_size=len(tasks))
         if any(wake is not None for wake in wakes):  # a mailbox bound to a Celery task: one message
             await hop(dispatch.work_wakes_send, wakes)
         body, status = present_submitted_batch([(task, True) for task in tasks], mailbox.name)
