@@ -32,14 +32,15 @@ decided some items (committed) and left others answers those others through the 
 careful path in one thread hop; a batch submit inserts every task or none.
 
 **Tracing.** In a process that traces (``OTEL_*``) the hot path serves the endpoints that
-make their views' spans (``Endpoint.traced``: every one here) and leaves the others' requests
-to their views, untouched. A served request makes the trace its view makes: a submit's
-``send`` span (``Endpoint.spans``: ``coordination.tracing.send_span``, the child of the
-request's ``traceparent``), open around the statement, an error recorded on it, its context
-the one the tasks store; the statement's span from the psycopg instrumentation, which covers
-the pool's ``AsyncConnection`` (under the ``send`` span; a root of its own for a claim's
-operation, as on the DRF path). A request handed to the view is answered inside that span and
-the view's ``send_span`` joins it: one ``send`` span per request, whichever path answers.
+make their views' spans (``Endpoint.traced``: the claim operations, the claims without a
+wait, the submits) and leaves the others' requests to their views, untouched. A served
+request makes the trace its view makes: a submit's ``send`` span (``Endpoint.spans``:
+``coordination.tracing.send_span``, the child of the request's ``traceparent``), open around
+the statement, an error recorded on it, its context the one the tasks store; the statement's
+span from the psycopg instrumentation, which covers the pool's ``AsyncConnection`` (under the
+``send`` span; a root of its own for a claim's operation, as on the DRF path). A request
+handed to the view is answered inside that span and the view's ``send_span`` joins it: one
+``send`` span per request, whichever path answers.
 Neither path has a server span: ``/v1`` takes ``API_MIDDLEWARE``, which the Django
 instrumentation does not join.
 
