@@ -28,6 +28,7 @@ from runstate._tracing import (
     current_headers,
     parent_context,
     remote_span_context,
+    span_headers,
     tracing_on,
     valid_traceparent,
 )
@@ -72,6 +73,26 @@ class TraceContext:
 
 
 NO_TRACE = TraceContext()
+
+
+# Where the request's SERVER span is kept in its ASGI scope (``runstate_project.tracing.server_spans``).
+SERVER_SPAN = "runstate.server_span"
+
+
+def request_trace(scope: dict | None, traceparent: str | None, tracestate: str | None = None) -> TraceContext:
+    """Return the context a request's work continues: the request's server span, else its headers'.
+
+    When this process traces, the ASGI instrumentation has opened the request's SERVER span,
+    the child of the caller's ``traceparent``, and kept it in the ASGI ``scope``: the spans the
+    request makes, and the context its tasks store, go under it (on the hot path and in a
+    view's thread alike, where the event loop's current span is not). Untraced, it is the
+    context the headers carry, stored as it came.
+    """
+    server = scope.get(SERVER_SPAN) if scope is not None else None
+    headers = span_headers(server) if server is not None else None
+    if headers:
+        return TraceContext(headers["traceparent"], headers.get("tracestate", ""))
+    return TraceContext.from_headers(traceparent, tracestate)
 
 
 def _attributes(operation: str | None, mailbox: str | None, values: dict[str, Any]) -> dict[str, Any]:

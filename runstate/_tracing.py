@@ -128,12 +128,17 @@ def _header_of(span_context: Any) -> dict[str, str]:
     return headers
 
 
+def span_headers(span: Any) -> dict[str, str]:
+    """Return ``span``'s ``traceparent`` (and ``tracestate``), or nothing when its context is not valid."""
+    span_context = span.get_span_context()
+    return _header_of(span_context) if span_context.is_valid else {}
+
+
 def current_headers() -> dict[str, str]:
     """Return the current span's ``traceparent`` (and ``tracestate``), or nothing when there is none."""
     if trace is None:
         return {}
-    span_context = trace.get_current_span().get_span_context()
-    return _header_of(span_context) if span_context.is_valid else {}
+    return span_headers(trace.get_current_span())
 
 
 def remote_span_context(traceparent: str | None, tracestate: str | None = None) -> Any:

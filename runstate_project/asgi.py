@@ -43,7 +43,7 @@ from django.db import close_old_connections
 from django.http import Http404
 from django.urls import URLResolver, get_resolver, set_script_prefix
 
-from runstate_project.tracing import setup_tracing
+from runstate_project.tracing import server_spans, setup_tracing
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "runstate_project.settings")
 
@@ -359,4 +359,4 @@ if settings.RUNSTATE_SERVE_STATIC:
     site = StaticFilesHandler(site)
 # The hot endpoints answered on the event loop, everything else (and every case the hot path
 # declines) by ApiASGIHandler (coordination/api/hot/__init__.py).
-application = _route(HotRouter(ApiASGIHandler(), _load_api_middleware), site)
+application = _route(server_spans(HotRouter(ApiASGIHandler(), _load_api_middleware)), site)

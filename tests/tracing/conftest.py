@@ -52,6 +52,21 @@ def by_name(finished, name: str) -> list:
     return [span for span in finished if span.name == name]
 
 
+def request_of(finished, span):
+    """Return the span of the request that made ``span`` (its parent, the ASGI instrumentation's).
+
+    It is a SERVER span in the API's process; here, where the client runs in the same context,
+    the instrumentation makes it INTERNAL under the client's current span.
+    """
+    requests = {
+        each.context.span_id: each
+        for each in finished
+        if each.instrumentation_scope.name == "opentelemetry.instrumentation.asgi"
+    }
+    assert span.parent is not None and span.parent.span_id in requests, (span.name, [s.name for s in finished])
+    return requests[span.parent.span_id]
+
+
 def one(finished, name: str):
     """Return the one finished span named ``name``."""
     found = by_name(finished, name)

@@ -18,7 +18,7 @@ from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.timers import timer_create, timer_fire, timers_fire_due
 from coordination.states import MailboxMode
-from tests.tracing.conftest import by_name, one
+from tests.tracing.conftest import by_name, one, request_of
 from tests.tracing.test_work_trace import client
 
 
@@ -94,8 +94,9 @@ def test_a_pool_acquire_that_waits_is_a_span_under_the_callers(spans, api_key):
             return run.id, waiter.get_span_context()
 
     run_id, waiter = asyncio.run(scenario())
-    wait = one(spans.get_finished_spans(), "wait pool traced-gpu")
-    assert wait.parent.span_id == waiter.span_id
+    finished = spans.get_finished_spans()
+    wait = one(finished, "wait pool traced-gpu")
+    assert request_of(finished, wait).parent.span_id == waiter.span_id
     assert wait.context.trace_id == waiter.trace_id
     assert wait.attributes["runstate.pool"] == "traced-gpu"
     assert wait.attributes["runstate.run_id"] == run_id
@@ -116,8 +117,9 @@ def test_a_quota_take_that_waits_for_its_refill_is_a_span_under_the_callers(span
 
     run_id, taker, taken = asyncio.run(scenario())
     assert taken["granted"] is True
-    wait = one(spans.get_finished_spans(), "wait quota traced-tokens")
-    assert wait.parent.span_id == taker.span_id
+    finished = spans.get_finished_spans()
+    wait = one(finished, "wait quota traced-tokens")
+    assert request_of(finished, wait).parent.span_id == taker.span_id
     assert wait.attributes["runstate.quota"] == "traced-tokens"
     assert wait.attributes["runstate.run_id"] == run_id
     assert wait.attributes["runstate.amount"] == 1

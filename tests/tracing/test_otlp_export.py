@@ -77,7 +77,10 @@ def test_a_cancel_exports_its_span_with_the_counts_of_its_cascade(otlp_provider,
     assert len(cancels) == 1
     cancel = cancels[0]
     assert cancel.trace_id.hex() == CALLER_TRACE_ID
-    assert cancel.parent_span_id.hex() == CALLER_SPAN_ID
+    # Under the cancel request's server span, itself under the caller's span.
+    (request,) = [span for span in receiver.spans if span.span_id == cancel.parent_span_id]
+    assert request.kind == request.SPAN_KIND_SERVER
+    assert request.parent_span_id.hex() == CALLER_SPAN_ID
     seen = attributes(cancel)
     assert seen["runstate.run_id"] == root_id
     assert seen["runstate.reason"] == "stop"

@@ -17,7 +17,7 @@ from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel, task_submit
 from coordination.states import MailboxMode
 from coordination.tracing import NO_TRACE, TraceContext, work_trace
-from tests.tracing.conftest import by_name
+from tests.tracing.conftest import by_name, request_of
 from tests.tracing.test_work_trace import (
     CALLER_SPAN_ID,
     CALLER_TRACE_ID,
@@ -102,13 +102,15 @@ def test_a_rerun_over_http_is_processed_in_the_old_tasks_trace_linked_to_its_cal
     assert set(processes) == {old_id, new_id}
 
     # The rerun's send span is in the work's trace, under the first submit's, and links the operator's span.
-    assert format(first_send.parent.span_id, "016x") == CALLER_SPAN_ID
+    assert format(request_of(finished, first_send).parent.span_id, "016x") == CALLER_SPAN_ID
     assert format(rerun_send.context.trace_id, "032x") == CALLER_TRACE_ID
     assert rerun_send.parent.span_id == first_send.context.span_id
     assert rerun_send.kind == SpanKind.PRODUCER
-    assert [(link.context.trace_id, link.context.span_id) for link in rerun_send.links] == [
-        (operator.trace_id, operator.span_id)
-    ]
+    # The link names the rerun request's server span, in the operator's trace under its span.
+    (link,) = rerun_send.links
+    rerun_request = {span.context.span_id: span for span in finished}[link.context.span_id]
+    assert rerun_request.name == "POST v1/tasks/<str:task_id>/rerun"
+    assert (rerun_request.context.trace_id, rerun_request.parent.span_id) == (operator.trace_id, operator.span_id)
     assert rerun_send.attributes["messaging.operation.type"] == "send"
     assert rerun_send.attributes["runstate.task_id"] == new_id
     assert rerun_send.attributes["runstate.rerun_of"] == old_id
@@ -126,5 +128,7 @@ def test_a_rerun_over_http_is_processed_in_the_old_tasks_trace_linked_to_its_cal
     settles = by_name(finished, "settle rerun-traced")
     under = [span.attributes["runstate.outcome"] for span in settles if span.parent.span_id == again.context.span_id]
     assert under == ["complete"]
-    # Nothing of the work landed in the operator's trace.
-    assert not [span for span in finished if span.context.trace_id == operator.trace_id and span.name != "operator"]
+    # Nothing of the work landed in the operator's trace: only the rerun request's own server span.
+    in_operators = [span for span in finished if span.context.trace_id == operator.trace_id and span.name != "operator"]
+    assert [span.name for span in in_operators if span.instrumentation_scope.name == "runstate"] == []
+    assert [span.name for span in in_operators] == ["POST v1/tasks/<str:task_id>/rerun"]

@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from coordination.models import Task
 from runstate import AsyncRunstate
-from tests.tracing.conftest import by_name, one
+from tests.tracing.conftest import by_name, one, request_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -96,9 +96,10 @@ def test_an_http_submit_with_a_traceparent_is_one_trace_through_consume(spans, a
     process = one(finished, "process traced")
     settle = one(finished, "settle traced")
 
-    # The service's send span continues the caller's trace, under the caller's span.
+    # The service's send span continues the caller's trace, under the request's server span,
+    # itself under the caller's span.
     assert format(send.context.trace_id, "032x") == CALLER_TRACE_ID
-    assert format(send.parent.span_id, "016x") == CALLER_SPAN_ID
+    assert format(request_of(finished, send).parent.span_id, "016x") == CALLER_SPAN_ID
     assert send.kind == SpanKind.PRODUCER
     assert send.attributes["messaging.system"] == "runstate"
     assert send.attributes["messaging.operation.type"] == "send"
@@ -146,7 +147,7 @@ def test_the_sdk_submit_is_the_root_of_the_trace_and_a_claim_answers_its_context
     sdk_send, server_send = sorted(by_name(finished, "send sdk-traced"), key=lambda span: span.start_time)
     assert sdk_send.parent.span_id == caller.get_span_context().span_id
     assert sdk_send.attributes["runstate.task_id"] == ticket.id
-    assert server_send.parent.span_id == sdk_send.context.span_id
+    assert request_of(finished, server_send).parent.span_id == sdk_send.context.span_id
     assert server_send.context.trace_id == caller.get_span_context().trace_id
     trace_id = format(caller.get_span_context().trace_id, "032x")
     receive = one(finished, "receive sdk-traced")
@@ -181,7 +182,7 @@ def test_a_message_sent_in_a_span_is_processed_and_settled_in_the_same_trace(spa
     process = one(finished, "process traced-queue")
     settle = one(finished, "settle traced-queue")
     assert sdk_send.parent.span_id == sender.get_span_context().span_id
-    assert server_send.parent.span_id == sdk_send.context.span_id
+    assert request_of(finished, server_send).parent.span_id == sdk_send.context.span_id
     assert server_send.attributes["runstate.message_id"] == message["id"]
     assert process.parent.span_id == server_send.context.span_id
     assert process.context.trace_id == sender.get_span_context().trace_id

@@ -41,8 +41,9 @@ span from the psycopg instrumentation, which covers the pool's ``AsyncConnection
 ``send`` span; a root of its own for a claim's operation, as on the DRF path). A request
 handed to the view is answered inside that span and the view's ``send_span`` joins it: one
 ``send`` span per request, whichever path answers.
-Neither path has a server span: ``/v1`` takes ``API_MIDDLEWARE``, which the Django
-instrumentation does not join.
+Both paths run under the request's SERVER span, the ASGI instrumentation's around the whole
+``/v1`` application (``runstate_project.tracing.server_spans``), found through the scope
+(``coordination.tracing.request_trace``).
 
 **Equivalence.** ``tests/api/test_hot_path.py`` sends a fixed table of requests (valid,
 invalid, unknown claim, lost lease, unauthorized, foreign project, bound key, rate limited)
@@ -76,7 +77,7 @@ from coordination.api.hot import db
 from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
 from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
 from coordination.services.keys import api_key_authenticate
-from coordination.tracing import TraceContext, tracing_on
+from coordination.tracing import request_trace, tracing_on
 
 # What the hot path answered (by endpoint; ``throttled``; ``refused``: a service's error) and
 # handed to the views (``careful``, after its statement touched no row; ``declined``, before
@@ -151,7 +152,8 @@ class HotRouter:
         except edge.BodyTooLarge:  # as ApiASGIHandler answers it
             return await self.fallback.send_response(edge.too_large(), send)
         try:
-            trace = TraceContext.from_headers(
+            trace = request_trace(
+                scope,
                 edge.header(scope, b"traceparent").decode("latin-1") or None,
                 edge.header(scope, b"tracestate").decode("latin-1") or None,
             )

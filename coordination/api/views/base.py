@@ -12,7 +12,7 @@ from coordination.api import longpoll, waits
 from coordination.api.bodies import plain_body
 from coordination.api.serializers import ErrorOut
 from coordination.selectors import Visibility
-from coordination.tracing import TraceContext
+from coordination.tracing import TraceContext, request_trace
 
 ERRORS = {
     status: OpenApiResponse(ErrorOut, description=description)
@@ -62,12 +62,10 @@ class ApiView(APIView):
         return serializer.validated_data
 
     def caller_trace(self) -> TraceContext:
-        """Return the W3C trace context of the request's ``traceparent``/``tracestate`` headers (none if invalid)."""
+        """Return the W3C trace context the request's work continues (``tracing.request_trace``)."""
         meta = self.request.META
-        traceparent = meta.get("HTTP_TRACEPARENT")
-        if traceparent is None:
-            return TraceContext()
-        return TraceContext.from_headers(traceparent, meta.get("HTTP_TRACESTATE"))
+        scope = getattr(self.request._request, "scope", None)  # ASGI; a WSGI request has none
+        return request_trace(scope, meta.get("HTTP_TRACEPARENT"), meta.get("HTTP_TRACESTATE"))
 
     def query(self, serializer_class) -> dict:
         """Validate the query string with ``serializer_class`` and return the validated data.
