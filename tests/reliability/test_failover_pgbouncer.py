@@ -2,10 +2,11 @@
 
 The deployment ``docs/deploy.md`` gives ("PgBouncer and a standby together"): a primary with
 a synchronous streaming standby (``tests/clusters.StreamingPair``), a PgBouncer in
-transaction mode whose ``[databases]`` line names the primary, and one uvicorn API, never
-restarted, with ``DATABASE_URL`` through PgBouncer (``RUNSTATE_DB_POOLER=transaction``,
-prepared statements off) and its LISTEN connection straight to PostgreSQL on a multi-host
-URL (``target_session_attrs=read-write``, ``connect_timeout``). PgBouncer 1.18 knows one host
+transaction mode whose ``[databases]`` line names the primary (``server_login_retry = 1``,
+``query_wait_timeout = 10``), and one uvicorn API, never restarted, with ``DATABASE_URL``
+through PgBouncer (``RUNSTATE_DB_POOLER=transaction``, prepared statements off) and its
+LISTEN connection straight to PostgreSQL on a multi-host URL
+(``target_session_attrs=read-write``, ``connect_timeout``). PgBouncer 1.18 knows one host
 per database, so what follows a promotion is the failover manager's job, done here as one
 does it: write the new primary into ``pgbouncer.ini`` and ``RELOAD``.
 
@@ -126,7 +127,9 @@ def behind_pgbouncer(tmp_path):
     require_pgbouncer()
     purge_broker()
     with streaming_pair() as pair:
-        bouncer = PgBouncer(pair.primary)
+        # docs/deploy.md's pgbouncer.ini: a request queued in PgBouncer for a server that will not
+        # come is refused after 10 s rather than PgBouncer's default 120 s.
+        bouncer = PgBouncer(pair.primary, query_wait_timeout="10")
         api = None
         try:
             bouncer.start()
