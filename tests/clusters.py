@@ -6,11 +6,14 @@
 - ``PgBouncer``: Debian's ``pgbouncer`` in front of such a cluster, on a free port of its own,
   in transaction mode with a pool of ``pool_size`` server connections per database and user
   (``docs/deploy.md``, "Behind PgBouncer", gives the same ``pgbouncer.ini``). It refuses root
-  too, so it runs as the same OS user as the cluster.
+  too, so it runs as the same OS user as the cluster. ``point_at`` does what a failover
+  manager does after a promotion: it writes the new primary into the ini and RELOADs.
 
 ``pgbouncer_in_front`` starts both and always stops and deletes both, whatever the test did.
 - ``StreamingPair``: a primary and its synchronous streaming standby, named together by one
-  multi-host ``DATABASE_URL``; ``ApiOnPair`` runs a uvicorn API (and workers, beat) on it.
+  multi-host ``DATABASE_URL``; ``ApiOnPair`` runs a uvicorn API (and workers, beat) on it,
+  or on a PgBouncer in front of it; ``Submitter`` submits with keys through the SDK, and
+  ``Answers`` notes every HTTP answer a client got in each phase of a failover.
 Nothing here touches the machine's own servers (PostgreSQL on 5432). When ``pgbouncer`` is
 missing the tests fail with a message naming ``scripts/ensure_pgbouncer.sh``, which
 ``scripts/test`` runs to install it; ``RUNSTATE_TEST_SKIP_PGBOUNCER=1`` skips them instead,
@@ -26,7 +29,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +39,9 @@ import httpx
 import psycopg
 import pytest
 
+from runstate import Runstate, RunstateError
 from tests.processes import ROOT, free_port, manage, stop_process_groups
+from tests.reliability.ledger import Ledger, check_in_process, watch_sdk
 from tests.reliability.throwaway import PG_OS_USER, ThrowawayPostgres, port_open
 from tests.workers.live import wait_until
 
@@ -54,10 +61,14 @@ def require_pgbouncer() -> None:
 class PgBouncer:
     """PgBouncer in front of ``server`` (a ``ThrowawayPostgres``), in a temporary directory on a free port."""
 
-    def __init__(self, server: ThrowawayPostgres, *, pool_mode: str = "transaction", pool_size: int = 10) -> None:
+    def __init__(
+        self, server: ThrowawayPostgres, *, pool_mode: str = "transaction", pool_size: int = 10, **settings: str
+    ) -> None:
+        """``settings`` add to or override the ini's ``[pgbouncer]`` section (``query_wait_timeout="5"``...)."""
         self.server = server
         self.pool_mode = pool_mode
         self.pool_size = pool_size
+        self.settings = settings
         self.port = free_port()
         self.as_root = os.geteuid() == 0
         self.dir = Path(tempfile.mkdtemp(prefix="runstate-pgbouncer-"))
@@ -67,6 +78,7 @@ class PgBouncer:
 
     def ini(self) -> str:
         """Return the ``pgbouncer.ini``: every database of the server, ``pool_mode``, ``pool_size`` per pool."""
+        extra = "".join(f"{name} = {value}\n" for name, value in self.settings.items())
         return f"""\
 [databases]
 * = host=127.0.0.1 port={self.server.port}
@@ -87,9 +99,10 @@ max_client_conn = 1000
 max_db_connections = {self.pool_size}
 server_reset_query =
 ignore_startup_parameters = extra_float_digits
+server_login_retry = 1
 logfile = {self.log_path}
 pidfile = {self.dir / "pgbouncer.pid"}
-"""
+{extra}"""
 
     def url(self, database: str | None = None, **query: str) -> str:
         """Return a ``DATABASE_URL`` through the pooler (the server's test database by default)."""
@@ -123,13 +136,42 @@ pidfile = {self.dir / "pgbouncer.pid"}
                 raise RuntimeError(f"timed out waiting for pgbouncer:\n{self.log()}")
             time.sleep(0.05)
 
-    def show(self, what: str) -> list[dict]:
-        """Return the rows of the admin console's ``SHOW <what>`` (POOLS, SERVERS, CLIENTS...)."""
+    def admin(self, command: str) -> list[dict]:
+        """Run ``command`` on the admin console (``SHOW POOLS``, ``RELOAD``...); return its rows."""
         # The console speaks only the simple query protocol: a client-side cursor sends it.
         with psycopg.connect(self.url("pgbouncer"), autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
-            cursor = conn.execute(f"SHOW {what}")
+            cursor = conn.execute(command)
+            if cursor.description is None:
+                return []
             names = [column.name for column in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def show(self, what: str) -> list[dict]:
+        """Return the rows of the admin console's ``SHOW <what>`` (POOLS, SERVERS, CLIENTS...)."""
+        return self.admin(f"SHOW {what}")
+
+    def revoke_key(self, key: str) -> int:
+        """Revoke the API key ``key`` in a transaction run through PgBouncer; return the rows changed.
+
+        The revoke's ``NOTIFY`` (migration 0009's trigger) is sent from a pooled server session:
+        only an API process whose LISTEN connection is on that server hears it.
+        """
+        with psycopg.connect(self.url(), autocommit=True) as pooled:
+            return pooled.execute(
+                "UPDATE coordination_apikey SET revoked_at = now() WHERE revoked_at IS NULL AND prefix = %s",
+                (key.split("_")[1],),
+            ).rowcount
+
+    def point_at(self, server: ThrowawayPostgres) -> None:
+        """Send the pools to ``server`` from now on: rewrite the ini's ``[databases]`` host and RELOAD.
+
+        What a failover manager does after promoting a standby. PgBouncer closes each server
+        connection to the old host as it is released and opens new ones on the new host;
+        client connections stay open.
+        """
+        self.server = server
+        self.ini_path.write_text(self.ini())  # the file keeps its owner (PgBouncer's OS user)
+        self.admin("RELOAD")
 
     def server_connections(self, database: str | None = None) -> int:
         """Count the server connections PgBouncer holds to ``database`` now (any state)."""
@@ -231,6 +273,20 @@ class StreamingPair:
         hosts = f"127.0.0.1:{self.primary.port},127.0.0.1:{self.standby.port}"
         return f"postgres://postgres@{hosts}/{database or self.database}?{tail}"
 
+    def sql(self, query: str, *params) -> list[tuple]:
+        """Run ``query`` on whichever server accepts writes now; return its rows."""
+        with psycopg.connect(self.url(), autocommit=True, connect_timeout=5) as conn:
+            return conn.execute(query, params).fetchall()
+
+    def tasks(self, task_ids: list[str]) -> dict[str, tuple[str, int, dict | None]]:
+        """Return ``{task id: (state, attempts, outcome)}`` as the server accepting writes has them."""
+        query = "SELECT id::text, state, attempts, outcome FROM coordination_task WHERE id = ANY(%s::uuid[])"
+        return {task_id: (state, attempts, outcome) for task_id, state, attempts, outcome in self.sql(query, task_ids)}
+
+    def succeeded(self, task_ids: list[str]) -> list[str]:
+        """Return those of ``task_ids`` that are ``SUCCEEDED``."""
+        return [task_id for task_id, (state, _, _) in self.tasks(task_ids).items() if state == "SUCCEEDED"]
+
     def destroy(self) -> None:
         """Stop both servers and delete their directories."""
         self.standby.destroy()
@@ -251,11 +307,13 @@ def streaming_pair() -> Iterator[StreamingPair]:
 class ApiOnPair:
     """A uvicorn API on a ``StreamingPair``'s multi-host ``DATABASE_URL``, and processes beside it.
 
-    ``start_api()`` migrates the pair's database, creates an API key of ``project`` and starts
-    one API process, never restarted: after a promotion it must find the new primary by
-    itself. ``spawn`` starts more processes (a ``runstate worker``, a Celery worker, beat) in
-    the same environment, plus what it is given; each runs in its own process group and logs
-    to ``log_dir/<name>.log``. ``stop()`` stops them all.
+    ``env`` adds to the environment or overrides it: ``DATABASE_URL`` through a PgBouncer in
+    front of the pair, ``RUNSTATE_LISTEN_DATABASE_URL``... ``start_api()`` migrates the pair's
+    database, creates an API key of ``project`` and starts one API process, never restarted:
+    after a promotion it must find the new primary by itself. ``spawn`` starts more processes
+    (a ``runstate worker``, a Celery worker, beat) in the same environment, plus what it is
+    given; each runs in its own process group and logs to ``log_dir/<name>.log``. ``stop()``
+    stops them all.
     """
 
     REQUEST_TIMEOUT_S = 15.0
@@ -273,9 +331,9 @@ class ApiOnPair:
             RUNSTATE_VAR_DIR=str(log_dir / "var"),
             RUNSTATE_DB_POOL_SIZE="8",
             RUNSTATE_RATE_LIMIT="1000000/min",
-            **env,
         )
-        self.env.pop("RUNSTATE_LISTEN_DATABASE_URL", None)
+        self.env.pop("RUNSTATE_LISTEN_DATABASE_URL", None)  # the suite's, unless ``env`` gives one
+        self.env.update(env)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = ""
@@ -330,6 +388,11 @@ class ApiOnPair:
         dead = {name: child.returncode for name, child in self.children.items() if child.poll() is not None}
         assert not dead, f"exited: {dead}\n{self.logs()}"
 
+    def check_ledgers(self, *paths: Path, drained_runs=()) -> str:
+        """Hold the database (the promoted standby, after a failover) to the ledgers at ``paths``; return the counts."""
+        ((project_id,),) = self.pair.sql("SELECT id::text FROM coordination_project WHERE name = %s", self.project)
+        return check_in_process(self.env, project_id, *paths, drained_runs=drained_runs)
+
     def client(self) -> httpx.Client:
         return httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=self.REQUEST_TIMEOUT_S
@@ -338,3 +401,185 @@ class ApiOnPair:
     def stop(self) -> None:
         """Stop every child (SIGTERM to its group, then SIGKILL)."""
         stop_process_groups(self.children.values())
+
+
+def refused_without_a_primary(api: ApiOnPair, run_id: str, mailbox: str) -> list[tuple[str, int, str | None, str]]:
+    """Send a submit (the hot path) and a run read (DRF); return each answer's status, code and Retry-After."""
+    answers = []
+    with api.client() as client:
+        for name, method, path, body in (
+            ("submit", "POST", f"/v1/mailboxes/{mailbox}/tasks", {"runId": run_id, "input": {}}),
+            ("run", "GET", f"/v1/runs/{run_id}", None),
+        ):
+            response = client.request(method, path, json=body)
+            answers.append((name, response.status_code, error_code(response), response.headers.get("Retry-After", "")))
+    return answers
+
+
+def error_code(response: httpx.Response) -> str | None:
+    """Return the error envelope's code (None for an answer without one)."""
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class Answers:
+    """Every HTTP request that watched clients sent, in which phase of a failover, and the answer it got.
+
+    The test moves ``phase`` along (``"before"``, ``"down"``...). An answer is kept as
+    ``(phase when sent, phase when answered, status, error code)``; a request that got no
+    answer (a transport error, a timeout) is counted in ``sent`` and nowhere else, whether or
+    not the SDK retried it.
+    """
+
+    def __init__(self) -> None:
+        self.phase = "before"
+        self.lock = threading.Lock()
+        self.sent: Counter[str] = Counter()
+        self.answers: list[tuple[str, str, int, str | None]] = []
+
+    def watch(self, http: httpx.Client) -> None:
+        """Note every request ``http`` sends and every answer it gets."""
+
+        def sent(request: httpx.Request) -> None:
+            request.extensions["failover_phase"] = phase = self.phase
+            with self.lock:
+                self.sent[phase] += 1
+
+        def answered(response: httpx.Response) -> None:
+            code = None
+            if response.status_code >= 400:
+                response.read()  # an event hook sees the answer before its body is read
+                code = error_code(response)
+            answer = (response.request.extensions["failover_phase"], self.phase, response.status_code, code)
+            with self.lock:
+                self.answers.append(answer)
+
+        hooks = http.event_hooks
+        http.event_hooks = {"request": [*hooks["request"], sent], "response": [*hooks["response"], answered]}
+
+    def sent_in(self, *phases: str) -> list[tuple[str, str, int, str | None]]:
+        """Return the answers to the requests sent in one of ``phases``."""
+        with self.lock:
+            return [answer for answer in self.answers if answer[0] in phases]
+
+    def unanswered(self) -> int:
+        """Count the requests sent that got no answer."""
+        with self.lock:
+            return sum(self.sent.values()) - len(self.answers)
+
+
+class SdkClient:
+    """An SDK client that calls runstate in a thread of its own until stopped, each call in a ledger of its own.
+
+    Its SDK client retries ``max_retries`` times: at least the 503's ``Retry-After`` second
+    apart at first, then with its growing jittered backoff (10 retries: about 30 s in all).
+    Subclasses write ``_run``, which loops until ``stopping`` is set.
+    """
+
+    def __init__(self, api: ApiOnPair, *, name: str, max_retries: int = 10, timeout_s: float = 30.0) -> None:
+        self.name = name
+        self.ledger = Ledger(path=api.log_dir / f"{name}.jsonl", source=name)
+        self.rs = Runstate(api.url, api.key, max_retries=max_retries, timeout=timeout_s)
+        watch_sdk(self.rs)
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"failover-{name}", daemon=True)
+
+    @property
+    def http(self) -> httpx.Client:
+        """The SDK's HTTP client (for ``Answers.watch``)."""
+        return self.rs._http._client
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), f"{self.name} hangs"
+        self.rs.close()
+
+
+class Submitter(SdkClient):
+    """One SDK client submitting tasks with keys under ``run_id``, one after another, until stopped.
+
+    Every submit goes in the ledger. The HTTP answers behind the call in progress are kept,
+    so a submit answered 503 and retried by the SDK to its acknowledgement shows as such.
+    """
+
+    def __init__(
+        self,
+        api: ApiOnPair,
+        run_id: str,
+        mailbox: str,
+        *,
+        task_input: dict | None = None,
+        every_s: float = 0.05,
+        max_retries: int = 10,
+        timeout_s: float = 30.0,
+        name: str = "submitter",
+    ) -> None:
+        super().__init__(api, name=name, max_retries=max_retries, timeout_s=timeout_s)
+        self.run_id = run_id
+        self.mailbox = mailbox
+        self.task_input = task_input or {}
+        self.every_s = every_s
+        http = self.http
+        http.event_hooks = {**http.event_hooks, "response": [*http.event_hooks["response"], self._answered]}
+        self.statuses: list[int] = []  # the HTTP answers to the call in progress
+        self.acknowledged: list[tuple[str, float, list[int]]] = []  # task id, when, the call's answers
+        self.gave_up: list[str] = []  # calls that raised after the SDK's retries
+
+    def _answered(self, response: httpx.Response) -> None:
+        with self.lock:
+            self.statuses.append(response.status_code)
+
+    def _run(self) -> None:
+        scope = self.rs.scope(self.run_id)
+        n = 0
+        while not self.stopping.is_set():
+            with self.lock:
+                self.statuses = []
+            try:
+                with self.ledger.op("submit", run_id=self.run_id) as call:
+                    # The key makes a submit sent again (after the SDK gave up) the same submit.
+                    ticket = scope.tasks.submit(self.mailbox, {"i": n, **self.task_input}, key=f"{self.name}-{n}")
+                    call.done(task_id=ticket.id)
+            except RunstateError as error:
+                with self.lock:
+                    self.gave_up.append(f"{type(error).__name__}: {error}")
+                self.stopping.wait(0.2)
+                continue
+            with self.lock:
+                self.acknowledged.append((ticket.id, time.monotonic(), list(self.statuses)))
+            n += 1
+            self.stopping.wait(self.every_s)
+
+    def burst(self, count: int) -> None:
+        """Submit ``count`` tasks in one batch (with keys), so that work waits in the mailbox at the switch."""
+        items = [{"input": {"i": f"b{k}", **self.task_input}, "key": f"{self.name}-b{k}"} for k in range(count)]
+        started = time.monotonic_ns()
+        tickets = self.rs.scope(self.run_id).tasks.submit_many(self.mailbox, items)
+        now = time.monotonic()
+        for ticket in tickets:
+            self.ledger.record("submit", ok=True, started_ns=started, run_id=self.run_id, task_id=ticket.id)
+        with self.lock:
+            self.acknowledged += [(ticket.id, now, [201]) for ticket in tickets]
+
+    def seen(self, status: int) -> bool:
+        """Whether the call in progress has been answered ``status``."""
+        with self.lock:
+            return status in self.statuses
+
+    def count(self, after: float = float("-inf")) -> int:
+        with self.lock:
+            return sum(1 for _, at, _ in self.acknowledged if at > after)
+
+    def task_ids(self, after: float = float("-inf")) -> list[str]:
+        with self.lock:
+            return [task_id for task_id, at, _ in self.acknowledged if at > after]

@@ -27,18 +27,14 @@ first). Durations are reported (``-s``), never asserted.
 
 import logging
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
-import psycopg
 import pytest
 
-from runstate import Runstate, RunstateError
-from tests.clusters import ApiOnPair, streaming_pair
-from tests.reliability.ledger import LEDGER_DIR_ENV, Ledger, check_in_process, watch_sdk
+from tests.clusters import ApiOnPair, Submitter, refused_without_a_primary, streaming_pair
+from tests.reliability.ledger import LEDGER_DIR_ENV
 from tests.workers.live import TEST_BROKER_URL, beat_command, purge_broker, wait_until, worker_command
 
 pytestmark = [pytest.mark.postgres_only]
@@ -48,7 +44,6 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 NO_PRIMARY_FOR_S = 2.0
 LEASE_MS = 2000  # a task held at the switch whose complete is lost runs again within ~3 s
 HANDLER_S = 0.2
-SUBMIT_EVERY_S = 0.05
 BURST = 20  # tasks submitted at once just before the crash: more than the worker takes in a second
 # Every acknowledged task is done within this of the load's end: the 2 s lease, the 1 s sweep,
 # and room to spare, but less than the re-wake sweep's 60 s, which a lost message would wait for.
@@ -63,100 +58,6 @@ CELERY_PROJECT = "faults"  # tests/reliability/fault_tasks.py
 CELERY_MAILBOX = "faults-bulk"  # bound to fault_tasks.bulk: a lease of 2 s
 
 
-class Submitter:
-    """One SDK client submitting tasks with keys under ``run_id``, one after another, until stopped.
-
-    Every submit goes in the ledger. The HTTP answers behind the call in progress are kept,
-    so a submit answered 503 and retried by the SDK to its acknowledgement shows as such.
-    """
-
-    def __init__(self, api: ApiOnPair, run_id: str, mailbox: str) -> None:
-        self.run_id = run_id
-        self.mailbox = mailbox
-        self.ledger = Ledger(path=api.log_dir / "submits.jsonl", source="submitter")
-        self.rs = Runstate(api.url, api.key, max_retries=SDK_RETRIES)
-        watch_sdk(self.rs)
-        http = self.rs._http._client
-        http.event_hooks = {**http.event_hooks, "response": [*http.event_hooks["response"], self._answered]}
-        self.statuses: list[int] = []  # the HTTP answers to the call in progress
-        self.acknowledged: list[tuple[str, float, list[int]]] = []  # task id, when, the call's answers
-        self.gave_up: list[str] = []  # calls that raised after the SDK's retries
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="failover-submitter", daemon=True)
-
-    def _answered(self, response: httpx.Response) -> None:
-        with self.lock:
-            self.statuses.append(response.status_code)
-
-    def _run(self) -> None:
-        scope = self.rs.scope(self.run_id)
-        n = 0
-        while not self.stopping.is_set():
-            with self.lock:
-                self.statuses = []
-            try:
-                with self.ledger.op("submit", run_id=self.run_id) as call:
-                    # The key makes a submit sent again (after the SDK gave up) the same submit.
-                    ticket = scope.tasks.submit(self.mailbox, {"i": n, "seconds": HANDLER_S}, key=f"t{n}")
-                    call.done(task_id=ticket.id)
-            except RunstateError as error:
-                with self.lock:
-                    self.gave_up.append(f"{type(error).__name__}: {error}")
-                self.stopping.wait(0.2)
-                continue
-            with self.lock:
-                self.acknowledged.append((ticket.id, time.monotonic(), list(self.statuses)))
-            n += 1
-            self.stopping.wait(SUBMIT_EVERY_S)
-
-    def burst(self, count: int) -> None:
-        """Submit ``count`` tasks in one batch (with keys), so that work waits in the mailbox at the switch."""
-        items = [{"input": {"i": f"b{k}", "seconds": HANDLER_S}, "key": f"b{k}"} for k in range(count)]
-        started = time.monotonic_ns()
-        tickets = self.rs.scope(self.run_id).tasks.submit_many(self.mailbox, items)
-        now = time.monotonic()
-        for ticket in tickets:
-            self.ledger.record("submit", ok=True, started_ns=started, run_id=self.run_id, task_id=ticket.id)
-        with self.lock:
-            self.acknowledged += [(ticket.id, now, [201]) for ticket in tickets]
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "the submitter hangs"
-        self.rs.close()
-
-    def seen(self, status: int) -> bool:
-        """Whether the call in progress has been answered ``status``."""
-        with self.lock:
-            return status in self.statuses
-
-    def count(self, after: float = float("-inf")) -> int:
-        with self.lock:
-            return sum(1 for _, at, _ in self.acknowledged if at > after)
-
-    def task_ids(self, after: float = float("-inf")) -> list[str]:
-        with self.lock:
-            return [task_id for task_id, at, _ in self.acknowledged if at > after]
-
-
-def sql(api: ApiOnPair, query: str, *params) -> list[tuple]:
-    """Run ``query`` on whichever server of the pair accepts writes now."""
-    with psycopg.connect(api.pair.url(), autocommit=True, connect_timeout=5) as conn:
-        return conn.execute(query, params).fetchall()
-
-
-def tasks(api: ApiOnPair, task_ids: list[str]) -> dict[str, tuple[str, int, dict | None]]:
-    """Return ``{task id: (state, attempts, outcome)}``."""
-    query = "SELECT id::text, state, attempts, outcome FROM coordination_task WHERE id = ANY(%s::uuid[])"
-    rows = sql(api, query, task_ids)
-    return {task_id: (state, attempts, outcome) for task_id, state, attempts, outcome in rows}
-
-
 def prepare(api: ApiOnPair, mailbox: str) -> str:
     """Create the mailbox (a 2 s lease) and a run; return the run's id."""
     with api.client() as client:
@@ -165,23 +66,6 @@ def prepare(api: ApiOnPair, mailbox: str) -> str:
         created = client.post("/v1/runs", json={"name": "failover-workers"})
     assert created.status_code == 201, created.text
     return created.json()["id"]
-
-
-def refused_without_a_primary(api: ApiOnPair, run_id: str, mailbox: str) -> list[tuple[str, int, str | None, str]]:
-    """Send a submit (the hot path) and a run read (DRF); return each answer's status, code and Retry-After."""
-    answers = []
-    with api.client() as client:
-        for name, method, path, body in (
-            ("submit", "POST", f"/v1/mailboxes/{mailbox}/tasks", {"runId": run_id, "input": {}}),
-            ("run", "GET", f"/v1/runs/{run_id}", None),
-        ):
-            response = client.request(method, path, json=body)
-            try:
-                code = response.json()["error"]["code"]
-            except (ValueError, KeyError, TypeError):
-                code = None
-            answers.append((name, response.status_code, code, response.headers.get("Retry-After", "")))
-    return answers
 
 
 def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int, *, what: str) -> dict:
@@ -194,7 +78,7 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
     submitter.start()
     try:
         wait_until(
-            lambda: len(done(api, submitter.task_ids())) >= 20,
+            lambda: len(api.pair.succeeded(submitter.task_ids())) >= 20,
             timeout_s=60,
             interval_s=0.25,
             what=f"{what} to complete 20 tasks",
@@ -232,16 +116,16 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
     acknowledged = submitter.task_ids()
     try:
         wait_until(
-            lambda: len(done(api, acknowledged)) == len(acknowledged),
+            lambda: len(api.pair.succeeded(acknowledged)) == len(acknowledged),
             timeout_s=DRAIN_TIMEOUT_S,
             interval_s=0.25,
             what=f"{what} to complete every acknowledged submit",
         )
     except AssertionError as late:
-        states = Counter(state for state, _, _ in tasks(api, acknowledged).values())
+        states = Counter(state for state, _, _ in api.pair.tasks(acknowledged).values())
         raise AssertionError(f"{late}: {states} of {len(acknowledged)}\n{api.logs()}") from None
     api.assert_alive()
-    seen = tasks(api, acknowledged)
+    seen = api.pair.tasks(acknowledged)
     # The worker process that was running before the switch did the work submitted after it.
     after = submitter.task_ids(promoted_at)
     assert {seen[task_id][2]["pid"] for task_id in after} == {worker_pid}
@@ -249,7 +133,7 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
         "SELECT extract(epoch FROM min(finished_at)) FROM coordination_task"
         " WHERE run_id = %s AND finished_at > to_timestamp(%s)"
     )
-    ((first_finished,),) = sql(api, query, submitter.run_id, promoted_wall)
+    ((first_finished,),) = api.pair.sql(query, submitter.run_id, promoted_wall)
     return {
         "no_primary_s": round(promoted_at - stopped_at, 2),
         "first_completion_after_promotion_s": round(float(first_finished) - promoted_wall, 2),
@@ -260,15 +144,10 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
     }
 
 
-def done(api: ApiOnPair, task_ids: list[str]) -> list[str]:
-    return [task_id for task_id, (state, _, _) in tasks(api, task_ids).items() if state == "SUCCEEDED"]
-
-
-def ledger_counts(api: ApiOnPair, submitter: Submitter, ledger_dir: Path, project: str) -> str:
+def ledger_counts(api: ApiOnPair, submitter: Submitter, ledger_dir: Path) -> str:
     """Hold the promoted database to the submits and the worker's own ledger; return the counts."""
-    ((project_id,),) = sql(api, "SELECT id::text FROM coordination_project WHERE name = %s", project)
     paths = [submitter.ledger.path, *sorted(ledger_dir.glob("*.jsonl"))]
-    return check_in_process(api.env, project_id, *paths, drained_runs=[submitter.run_id])
+    return api.check_ledgers(*paths, drained_runs=[submitter.run_id])
 
 
 @pytest.fixture
@@ -317,13 +196,13 @@ def test_runstate_worker_rides_out_a_failover_and_completes_each_acknowledged_su
         RUNSTATE_API_KEY=api.key,
         **{LEDGER_DIR_ENV: str(ledger_dir)},
     )
-    submitter = Submitter(api, run_id, CLI_MAILBOX)
+    submitter = Submitter(api, run_id, CLI_MAILBOX, task_input={"seconds": HANDLER_S}, max_retries=SDK_RETRIES)
     seen = ride_through_failover(api, submitter, worker.pid, what="runstate worker")
 
     api.stop()  # SIGTERM: the worker drains and says what it did
     assert worker.returncode == 0, api.log("worker")
     assert "worker stopped: ConsumeSummary(" in api.log("worker")
-    counts = ledger_counts(api, submitter, ledger_dir, CLI_PROJECT)
+    counts = ledger_counts(api, submitter, ledger_dir)
     print(f"\nrunstate worker through a failover: {seen}; ledger {counts}")
 
 
@@ -339,8 +218,8 @@ def test_runstate_task_on_a_celery_worker_rides_out_a_failover_and_completes_eac
     env = {LEDGER_DIR_ENV: str(ledger_dir)}
     worker = api.spawn("worker", worker_command(4, include=(CELERY_MODULE,)), **env)
     api.spawn("beat", beat_command(tmp_path), **env)
-    submitter = Submitter(api, run_id, CELERY_MAILBOX)
+    submitter = Submitter(api, run_id, CELERY_MAILBOX, task_input={"seconds": HANDLER_S}, max_retries=SDK_RETRIES)
     seen = ride_through_failover(api, submitter, worker.pid, what="the Celery worker")
 
-    counts = ledger_counts(api, submitter, ledger_dir, CELERY_PROJECT)
+    counts = ledger_counts(api, submitter, ledger_dir)
     print(f"\n@runstate_task through a failover: {seen}; ledger {counts}")
