@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection
+from django.db import DatabaseError, InterfaceError, OperationalError, connection
 
 from coordination import exceptions
 from coordination.services.claims import (
@@ -52,6 +52,7 @@ from coordination.services.claims import (
 )
 from coordination.states import TaskState
 from runstate._tracing import ProcessSpan, in_span, leave, process_span
+from runstate_project.postgresql.base import read_only_server
 
 if TYPE_CHECKING:
     from workers.decorators import RunstateTask
@@ -464,8 +465,13 @@ def _through_outages(call):
     while True:
         try:
             return call()
-        except (OperationalError, InterfaceError) as error:
-            if connection.in_atomic_block or (connection.connection is not None and connection.is_usable()):
+        except DatabaseError as error:
+            if connection.in_atomic_block:
+                raise
+            if not read_only_server(error) and (
+                not isinstance(error, OperationalError | InterfaceError)
+                or (connection.connection is not None and connection.is_usable())
+            ):
                 raise
             now = time.monotonic()
             if deadline is None:

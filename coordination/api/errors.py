@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
 from coordination import exceptions
+from runstate_project.postgresql.base import read_only_server
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def exception_handler(exc, context):
         if getattr(exc, "wait", None):
             headers["Retry-After"] = str(int(exc.wait))
         return Response(envelope(code, message, details), status=exc.status_code, headers=headers)
-    if isinstance(exc, OperationalError | InterfaceError):
+    if isinstance(exc, OperationalError | InterfaceError) or (isinstance(exc, DatabaseError) and read_only_server(exc)):
         set_rollback()
         logger.warning("database unavailable: %s", exc)
         return Response(database_unavailable(), status=503, headers={"Retry-After": "1"})

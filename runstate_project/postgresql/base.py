@@ -39,6 +39,24 @@ def _server_is_full(refused: Exception) -> bool:
     return any(full in message for full in FULL_SERVER_MESSAGES)
 
 
+# PostgreSQL's "cannot execute ... in a read-only transaction": a write reached a standby (a
+# pooler pointed at one not yet promoted, or at an old primary that came back as a standby).
+READ_ONLY_SQLSTATE = "25006"
+
+
+def read_only_server(error: BaseException) -> bool:
+    """Return whether ``error`` (psycopg's, or Django's wrapping it) is a write refused by a server that takes none.
+
+    psycopg raises it as an ``InternalError``, but for the caller it is an outage like a
+    server that is down: the primary is elsewhere for now, and the same call succeeds once
+    the connection reaches it. The API answers it ``503``, the workers ride it out.
+    """
+    for each in (error, error.__cause__):
+        if getattr(each, "sqlstate", None) == READ_ONLY_SQLSTATE:
+            return True
+    return False
+
+
 # Why ``idle_connection_problem`` refuses a connection.
 NOT_IDLE = "the pooled connection is not idle"
 SERVER_WROTE = "the server closed the pooled connection, or wrote to it unasked"

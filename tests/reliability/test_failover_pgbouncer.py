@@ -51,6 +51,7 @@ from tests.clusters import (
     PgBouncer,
     SdkClient,
     Submitter,
+    error_code,
     refused_without_a_primary,
     require_pgbouncer,
     streaming_pair,
@@ -203,11 +204,38 @@ def waits_are_released(api: ApiOnPair) -> dict:
     return seen
 
 
+def assert_a_standby_refuses_writes_as_an_outage(api: ApiOnPair, bouncer, run_id: str) -> None:
+    """PgBouncer pointed at the standby before its promotion (a failover manager's slip, or an old
+    primary back as a standby): every write reaches a server that takes none, and is answered as an
+    outage, 503 with Retry-After, on the hot path and on DRF's, never a 500."""
+    writes = (
+        ("submit (hot path)", f"/v1/mailboxes/{MAILBOX}/tasks", {"runId": run_id, "input": {}}),
+        ("claim (hot path)", f"/v1/mailboxes/{MAILBOX}/claims", {"runId": run_id, "max": 1}),
+        ("run create (DRF)", "/v1/runs", {"name": "on a standby"}),
+    )
+    bouncer.point_at(api.pair.standby)
+    try:
+        with api.client() as client:
+
+            def answers() -> list[tuple[str, int, str | None, str]]:
+                return [
+                    (name, (r := client.post(path, json=body)).status_code, error_code(r), r.headers.get("Retry-After"))
+                    for name, path, body in writes
+                ]
+
+            # The server connections PgBouncer held to the primary close as they are released.
+            wait_until(lambda: answers()[0][1] == 503, timeout_s=20, what="PgBouncer to send writes to the standby")
+            assert answers() == [(name, 503, "SERVICE_UNAVAILABLE", "1") for name, _, _ in writes]
+    finally:
+        bouncer.point_at(api.pair.primary)
+
+
 def test_behind_pgbouncer_a_promoted_standby_takes_over_once_pgbouncer_is_pointed_at_it(behind_pgbouncer, tmp_path):
     api, bouncer = behind_pgbouncer
     pair = api.pair
     run_id = prepare_load(api)
     celery_run = prepare(api, CELERY_MAILBOX)  # a lease of 2 s
+    assert_a_standby_refuses_writes_as_an_outage(api, bouncer, run_id)
     ledger_dir = tmp_path / "ledgers"
     ledger_dir.mkdir()
     worker = api.spawn("worker", worker_command(2, include=(CELERY_MODULE,)), **{LEDGER_DIR_ENV: str(ledger_dir)})

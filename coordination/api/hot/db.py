@@ -18,6 +18,7 @@ from psycopg import AsyncConnection, AsyncCursor
 from psycopg import IntegrityError as PsycopgIntegrityError
 from psycopg import InterfaceError as PsycopgInterfaceError
 from psycopg import OperationalError as PsycopgOperationalError
+from psycopg.errors import ReadOnlySqlTransaction
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from runstate_project.postgresql.base import SERVER_WROTE, idle_connection_problem
@@ -102,6 +103,8 @@ async def fetch(statement: str, params: dict) -> list[tuple]:
     except PoolTimeout:
         raise NoConnection() from None
     except PsycopgOperationalError as error:
+        raise OperationalError(str(error)) from error
+    except ReadOnlySqlTransaction as error:  # a standby: an outage, as on the DRF path
         raise OperationalError(str(error)) from error
     except PsycopgInterfaceError as error:
         raise InterfaceError(str(error)) from error
