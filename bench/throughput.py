@@ -41,8 +41,9 @@ Before any timing it counts the SQL statements of one call of each kind in each 
 (service layer, ``CaptureQueriesContext``) and of one request of each kind (in-process
 Django test client, every connection counted). Every scenario is verified afterwards with
 one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded`` events;
-and the WAL the server wrote over its two phases (``pg_current_wal_lsn()`` before and after,
-the whole server's, so other sessions' writes count too) is printed per task.
+and the WAL written over its two phases is printed per task: the whole server's
+(``pg_current_wal_lsn()`` before and after, other sessions' writes too) and the benchmark
+database's alone (its records read back with ``pg_walinspect``, when the role may create it).
 
 The database (``DATABASE_URL``, default ``postgres://postgres@127.0.0.1:5432/runstate_bench``)
 is created when missing and migrated; when its name contains ``bench`` the coordination
@@ -478,8 +479,8 @@ class ScenarioResult:
     verification: dict[str, Any]
     submit_cpu: CpuMeter = field(repr=False)
     claim_cpu: CpuMeter = field(repr=False)
-    # WAL the whole cluster wrote over both phases (other sessions' writes included), bytes.
-    wal_bytes: int | None = None
+    # WAL written over both phases, bytes: the whole server's and the database's (``wal_bytes_since``).
+    wal: dict[str, int | None] | None = None
     # Through PgBouncer: its transactions, queries and client wait (us) per task (bench/pooler.py).
     pooler: dict[str, float] | None = None
 
@@ -539,13 +540,46 @@ def wal_position() -> str:
         return cursor.fetchone()[0]
 
 
-def wal_bytes_since(position: str) -> int:
-    """Return the bytes of WAL the whole server wrote since ``position`` (``pg_wal_lsn_diff``)."""
-    from django.db import connection
+# The WAL records since a position that belong to this database: those touching one of its
+# relations (a block reference ``rel <tablespace>/<database oid>/<relation>``), and every record
+# of a transaction that wrote one (its commit). pg_walinspect reads only flushed WAL.
+DATABASE_WAL_SQL = """
+WITH records AS (
+    SELECT xid, record_length, coalesce(block_ref, '') LIKE %(ours)s AS ours
+    FROM pg_get_wal_records_info(%(start)s, pg_current_wal_flush_lsn())
+)
+SELECT coalesce(sum(record_length), 0)::bigint FROM records
+WHERE ours OR xid IN (SELECT xid FROM records WHERE ours AND xid <> 0)
+"""
+WALINSPECT = {"available": None}  # whether pg_walinspect could be had in the benchmark database
+
+
+def wal_bytes_since(position: str) -> dict[str, int | None]:
+    """Return the WAL written since ``position``: the whole server's, and this database's alone.
+
+    The server's is ``pg_wal_lsn_diff`` (other sessions' writes count too); the database's
+    needs the ``pg_walinspect`` extension (PostgreSQL 15's contrib, created here when the role
+    may), else None.
+    """
+    from django.db import DatabaseError, connection, transaction
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::bigint", [position])
-        return cursor.fetchone()[0]
+        figures = {"server": cursor.fetchone()[0], "database": None}
+        if WALINSPECT["available"] is None:
+            try:
+                with transaction.atomic():
+                    cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+                WALINSPECT["available"] = True
+            except DatabaseError as error:
+                print(f"note: no per-database WAL figure (pg_walinspect: {error})".strip())
+                WALINSPECT["available"] = False
+        if WALINSPECT["available"]:
+            cursor.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
+            ours = f"%/{cursor.fetchone()[0]}/%"
+            cursor.execute(DATABASE_WAL_SQL, {"start": position, "ours": ours})
+            figures["database"] = cursor.fetchone()[0]
+    return figures
 
 
 def verification_text(v: dict[str, Any], expected: int) -> str:
@@ -805,7 +839,7 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
     connection.close()
     submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
     claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
-    wal_bytes = wal_bytes_since(wal_start)
+    wal = wal_bytes_since(wal_start)
     verification = verify_run(service.run.id, tasks)
     connection.close()
     return ScenarioResult(
@@ -822,7 +856,7 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
-        wal_bytes=wal_bytes,
+        wal=wal,
     )
 
 
@@ -1119,7 +1153,7 @@ def run_http_scenario(
     submit_s, _, submit_cpu = run_threads(workers, submitter, setup=open_client, teardown=lambda c: c.close(), **pids)
     claim_s, results, claim_cpu = run_threads(workers, claimer, setup=open_client, teardown=lambda c: c.close(), **pids)
     pooler = stats_per_task(pooler_before, server.pooler.stats(), tasks) if server.pooler else None
-    wal_bytes = wal_bytes_since(wal_start)
+    wal = wal_bytes_since(wal_start)
     verification = verify_run(uuid.UUID(run_id), tasks)
     connection.close()
     return ScenarioResult(
@@ -1136,7 +1170,7 @@ def run_http_scenario(
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
-        wal_bytes=wal_bytes,
+        wal=wal,
         pooler=pooler,
     )
 
@@ -2055,11 +2089,7 @@ def scenario_lines(result: ScenarioResult) -> list[str]:
         f"claim p50/p99 {result.claim_ms(0.5):.2f}/{result.claim_ms(0.99):.2f} ms, "
         f"complete p50/p99 {result.complete_ms(0.5):.2f}/{result.complete_ms(0.99):.2f} ms; "
         f"pipeline {result.pipeline_rate:.0f} tasks/s",
-        *(
-            [f"WAL {result.wal_bytes / n:.0f} bytes/task (the whole server's over both phases, other sessions' too)"]
-            if result.wal_bytes is not None
-            else []
-        ),
+        *([wal_text(result.wal, n)] if result.wal else []),
         *(
             [
                 f"through PgBouncer: {result.pooler['xacts']:.2f} transactions and {result.pooler['queries']:.2f} "
@@ -2070,6 +2100,12 @@ def scenario_lines(result: ScenarioResult) -> list[str]:
         ),
         verification_text(result.verification, result.tasks),
     ]
+
+
+def wal_text(wal: dict[str, int | None], tasks: int) -> str:
+    """Return the WAL line of a scenario: bytes per task, the database's and the whole server's."""
+    ours = f"{wal['database'] / tasks:,.0f} bytes/task this database's (pg_walinspect), " if wal["database"] else ""
+    return f"WAL {ours}{wal['server'] / tasks:,.0f} bytes/task the whole server's (other sessions' too)"
 
 
 def target_verdicts(results: list[ScenarioResult], baselines: dict[int, PgbenchResult], peer: Any = None) -> list[str]:
