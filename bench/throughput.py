@@ -479,7 +479,7 @@ class ScenarioResult:
     verification: dict[str, Any]
     submit_cpu: CpuMeter = field(repr=False)
     claim_cpu: CpuMeter = field(repr=False)
-    # WAL written over both phases, bytes: the whole server's and the database's (``wal_bytes_since``).
+    # WAL written over both phases, bytes: the whole server's and the database's (``WalMeter``).
     wal: dict[str, int | None] | None = None
     # Through PgBouncer: its transactions, queries and client wait (us) per task (bench/pooler.py).
     pooler: dict[str, float] | None = None
@@ -531,15 +531,6 @@ def verify_run(run_id: uuid.UUID, expected: int) -> dict[str, Any]:
     }
 
 
-def wal_position() -> str:
-    """Return the server's current WAL write position (``pg_current_wal_lsn()``)."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_current_wal_lsn()")
-        return cursor.fetchone()[0]
-
-
 # The WAL records since a position that belong to this database: those touching one of its
 # relations (a block reference ``rel <tablespace>/<database oid>/<relation>``), and every record
 # of a transaction that wrote one (its commit). pg_walinspect reads only flushed WAL.
@@ -551,35 +542,53 @@ WITH records AS (
 SELECT coalesce(sum(record_length), 0)::bigint FROM records
 WHERE ours OR xid IN (SELECT xid FROM records WHERE ours AND xid <> 0)
 """
-WALINSPECT = {"available": None}  # whether pg_walinspect could be had in the benchmark database
 
 
-def wal_bytes_since(position: str) -> dict[str, int | None]:
-    """Return the WAL written since ``position``: the whole server's, and this database's alone.
+class WalMeter:
+    """The WAL written while the block runs (``figures``): the whole server's, and the benchmark database's alone.
 
-    The server's is ``pg_wal_lsn_diff`` (other sessions' writes count too); the database's
-    needs the ``pg_walinspect`` extension (PostgreSQL 15's contrib, created here when the role
-    may), else None.
+    The server's is ``pg_wal_lsn_diff`` of the positions before and after (other sessions'
+    writes count too). The database's is read back from the WAL itself with ``pg_walinspect``
+    (PostgreSQL 15's contrib, created in the benchmark database when the role may), which
+    needs the WAL still there: a temporary replication slot of this meter's own connection
+    keeps it from the start until the figure is read, and goes with the connection. Without
+    either, ``figures["database"]`` is None and ``note`` says why.
     """
-    from django.db import DatabaseError, connection, transaction
 
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::bigint", [position])
-        figures = {"server": cursor.fetchone()[0], "database": None}
-        if WALINSPECT["available"] is None:
-            try:
-                with transaction.atomic():
-                    cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
-                WALINSPECT["available"] = True
-            except DatabaseError as error:
-                print(f"note: no per-database WAL figure (pg_walinspect: {error})".strip())
-                WALINSPECT["available"] = False
-        if WALINSPECT["available"]:
-            cursor.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
-            ours = f"%/{cursor.fetchone()[0]}/%"
-            cursor.execute(DATABASE_WAL_SQL, {"start": position, "ours": ours})
-            figures["database"] = cursor.fetchone()[0]
-    return figures
+    def __enter__(self) -> WalMeter:
+        import psycopg
+
+        self.note = ""
+        self._conn = psycopg.connect(**db_params(os.environ["DATABASE_URL"]), autocommit=True)
+        try:
+            self._conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            self._conn.execute(
+                "SELECT pg_create_physical_replication_slot(%s, true, true)", [f"bench_wal_{os.getpid()}"]
+            )
+            self._inspect = True
+        except psycopg.Error as error:
+            self.note, self._inspect = f"no per-database WAL figure: {error}".strip(), False
+        self._start = self._conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import psycopg
+
+        try:
+            query = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::bigint"
+            self.figures = {"server": self._conn.execute(query, [self._start]).fetchone()[0], "database": None}
+            if self._inspect:
+                oid = self._conn.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
+                ours = f"%/{oid.fetchone()[0]}/%"
+                try:
+                    rows = self._conn.execute(DATABASE_WAL_SQL, {"start": self._start, "ours": ours})
+                    self.figures["database"] = rows.fetchone()[0]
+                except psycopg.Error as error:
+                    self.note = f"no per-database WAL figure: {error}".strip()
+        finally:
+            self._conn.close()  # and the temporary slot with it
+        if self.note:
+            print(f"  note: {self.note}")
 
 
 def verification_text(v: dict[str, Any], expected: int) -> str:
@@ -835,11 +844,10 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
         connection.ensure_connection()
         return True
 
-    wal_start = wal_position()
     connection.close()
-    submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
-    claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
-    wal = wal_bytes_since(wal_start)
+    with WalMeter() as wal:
+        submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
+        claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
     verification = verify_run(service.run.id, tasks)
     connection.close()
     return ScenarioResult(
@@ -856,7 +864,7 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
-        wal=wal,
+        wal=wal.figures,
     )
 
 
@@ -1094,7 +1102,6 @@ def run_http_scenario(
     submit_size, claim_size, complete_size = sizes if mode == "batched" else (1, sizes[1], 1)
     truncate_coordination_tables()
     headers, run_id = http_run(server, f"http-{mode}-w{workers}")
-    wal_start = wal_position()
     connection.close()
     pooler_before = server.pooler.stats() if server.pooler else None
 
@@ -1150,10 +1157,11 @@ def run_http_scenario(
         return claim_lat[:-1], complete_lat, done, empty
 
     pids = {"server_pid": server.process.pid, "pooler_pid": server.pooler.pid if server.pooler else None}
-    submit_s, _, submit_cpu = run_threads(workers, submitter, setup=open_client, teardown=lambda c: c.close(), **pids)
-    claim_s, results, claim_cpu = run_threads(workers, claimer, setup=open_client, teardown=lambda c: c.close(), **pids)
+    clients = {"setup": open_client, "teardown": httpx.Client.close}
+    with WalMeter() as wal:
+        submit_s, _, submit_cpu = run_threads(workers, submitter, **clients, **pids)
+        claim_s, results, claim_cpu = run_threads(workers, claimer, **clients, **pids)
     pooler = stats_per_task(pooler_before, server.pooler.stats(), tasks) if server.pooler else None
-    wal = wal_bytes_since(wal_start)
     verification = verify_run(uuid.UUID(run_id), tasks)
     connection.close()
     return ScenarioResult(
@@ -1170,7 +1178,7 @@ def run_http_scenario(
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
-        wal=wal,
+        wal=wal.figures,
         pooler=pooler,
     )
 
