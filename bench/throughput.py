@@ -536,10 +536,10 @@ def verify_run(run_id: uuid.UUID, expected: int) -> dict[str, Any]:
 # of a transaction that wrote one (its commit). pg_walinspect reads only flushed WAL.
 DATABASE_WAL_SQL = """
 WITH records AS (
-    SELECT xid, record_length, coalesce(block_ref, '') LIKE %(ours)s AS ours
+    SELECT xid, record_length, fpi_length, coalesce(block_ref, '') LIKE %(ours)s AS ours
     FROM pg_get_wal_records_info(%(start)s, pg_current_wal_flush_lsn())
 )
-SELECT coalesce(sum(record_length), 0)::bigint FROM records
+SELECT coalesce(sum(record_length), 0)::bigint, coalesce(sum(fpi_length), 0)::bigint FROM records
 WHERE ours OR xid IN (SELECT xid FROM records WHERE ours AND xid <> 0)
 """
 
@@ -552,7 +552,8 @@ class WalMeter:
     (PostgreSQL 15's contrib, created in the benchmark database when the role may), which
     needs the WAL still there: a temporary replication slot of this meter's own connection
     keeps it from the start until the figure is read, and goes with the connection. Without
-    either, ``figures["database"]`` is None and ``note`` says why.
+    either, ``figures["database"]`` is None and ``note`` says why; ``figures["database_fpi"]`` is
+    the part of it that is full-page images (the first change of a page after a checkpoint).
     """
 
     def __enter__(self) -> WalMeter:
@@ -582,7 +583,7 @@ class WalMeter:
                 ours = f"%/{oid.fetchone()[0]}/%"
                 try:
                     rows = self._conn.execute(DATABASE_WAL_SQL, {"start": self._start, "ours": ours})
-                    self.figures["database"] = rows.fetchone()[0]
+                    self.figures["database"], self.figures["database_fpi"] = rows.fetchone()
                 except psycopg.Error as error:
                     self.note = f"no per-database WAL figure: {error}".strip()
         finally:
@@ -2112,7 +2113,12 @@ def scenario_lines(result: ScenarioResult) -> list[str]:
 
 def wal_text(wal: dict[str, int | None], tasks: int) -> str:
     """Return the WAL line of a scenario: bytes per task, the database's and the whole server's."""
-    ours = f"{wal['database'] / tasks:,.0f} bytes/task this database's (pg_walinspect), " if wal["database"] else ""
+    ours = (
+        f"{wal['database'] / tasks:,.0f} bytes/task this database's (pg_walinspect; "
+        f"{wal['database_fpi'] / tasks:,.0f} of them full-page images), "
+        if wal["database"]
+        else ""
+    )
     return f"WAL {ours}{wal['server'] / tasks:,.0f} bytes/task the whole server's (other sessions' too)"
 
 
