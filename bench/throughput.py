@@ -1192,11 +1192,13 @@ class RequestCosts:
     uvicorn_ms: dict[str, float]  # the uvicorn process tree (every worker process)
     postgres_ms: dict[str, float]  # the whole PostgreSQL server meanwhile
     pooler_ms: dict[str, float] | None = None  # PgBouncer, when the server's requests go through it
+    wall_ms: dict[str, float] | None = None  # one request's time in the client, answer read
 
     def summary(self) -> str:
         parts = [
             f"{op} {self.uvicorn_ms[op]:.2f} ms uvicorn + {self.postgres_ms[op]:.2f} ms postgres"
             + (f" + {self.pooler_ms[op]:.2f} ms pgbouncer" if self.pooler_ms else "")
+            + (f" (wall {self.wall_ms[op]:.2f} ms)" if self.wall_ms else "")
             for op in self.uvicorn_ms
         ]
         where = " through PgBouncer" if self.pooler_ms else ""
@@ -1219,6 +1221,7 @@ def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
     uvicorn_ms: dict[str, float] = {}
     postgres_ms: dict[str, float] = {}
     pooler_ms: dict[str, float] = {}
+    wall_ms: dict[str, float] = {}
     claims: list[dict] = []
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
         for _ in range(20):  # warm every worker process: imports, pool, prepared statements
@@ -1231,6 +1234,7 @@ def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
             with CpuMeter(server.process.pid, server.pooler.pid if server.pooler else None) as cpu:
                 for i in range(calls):
                     request(i)
+            wall_ms[op] = 1000 * cpu.wall_s / calls
             uvicorn_ms[op] = 1000 * cpu.server_s / calls
             postgres_ms[op] = 1000 * cpu.postgres_s / calls
             pooler_ms[op] = 1000 * cpu.pooler_s / calls
@@ -1250,7 +1254,7 @@ def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
             "complete",
             lambda i: _checked(client.post(f"/v1/claims/{claims[i]['claimId']}/complete", json={"outcome": i})),
         )
-    return RequestCosts(calls, uvicorn_ms, postgres_ms, pooler_ms if server.pooler else None)
+    return RequestCosts(calls, uvicorn_ms, postgres_ms, pooler_ms if server.pooler else None, wall_ms)
 
 
 @dataclass
