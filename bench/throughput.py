@@ -1426,6 +1426,14 @@ def pgbench_run(pgbench: str, url: str, clients: int, seconds: int) -> PgbenchRe
     )
 
 
+def pgbench_through(pgbench: str, bouncer: BenchPgBouncer, clients: int, seconds: int) -> tuple[PgbenchResult, str]:
+    """Run ``pgbench -N`` through ``bouncer``; return its result and a line with PgBouncer's CPU per transaction."""
+    before = _process_tree_seconds(bouncer.pid)
+    result = pgbench_run(pgbench, bouncer.url, clients, seconds)
+    pooler_ms = 1000 * (_process_tree_seconds(bouncer.pid) - before) / (result.tps * seconds)
+    return result, f"through PgBouncer: {result.summary()} + pgbouncer {pooler_ms:.2f} CPU ms/txn"
+
+
 NOTIFY_PROBE_SCRIPTS = {
     "plain": "BEGIN;\nINSERT INTO runstate_notify_probe (v) VALUES (1);\nEND;\n",
     "notify": "BEGIN;\nINSERT INTO runstate_notify_probe (v) VALUES (1);\n"
@@ -1727,6 +1735,7 @@ class RunFigures:
     costs: RequestCosts | None = None
     sdk_drain: SdkDrain | None = None
     pgbench: PgbenchResult | None = None  # the W = 4 run, for the CPU ratios
+    pgbench_pgbouncer: PgbenchResult | None = None  # the W = 4 run through PgBouncer (--pgbouncer)
 
 
 def server_cpu_ratios(costs: RequestCosts | None, pgbench: PgbenchResult | None) -> dict[str, float] | None:
@@ -1745,7 +1754,8 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
     ``pgbench -N`` transaction (pgbench's and its backends') and ``server_cpu_ratio`` the first
     over the second, per kind (issue 27's target: <= 3); ``http_*_pgbouncer`` are the HTTP
     pipelines through PgBouncer (``--pgbouncer``) and ``pgbouncer_ratio`` their pipeline rate
-    over the direct one's, per mode (issue 30's target: >= 0.8); ``statements`` are the SQL statements
+    over the direct one's, per mode (issue 30's target: >= 0.8), ``pgbench_tps_pgbouncer``
+    ``pgbench -N`` through the same PgBouncer; ``statements`` are the SQL statements
     (BEGIN and COMMIT included) of one unbatched submit, one claim of ``--batch`` and one
     complete. A new part adds its key here.
     """
@@ -1785,6 +1795,7 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
         "sdk_consume_drain_per_s": round(run.sdk_drain.drain_rate, 1) if run.sdk_drain else None,
         "server_cpu_ms": {op: round(ms, 3) for op, ms in costs.uvicorn_ms.items()} if costs else None,
         "pgbench_tps": round(tps, 1) if tps else None,
+        "pgbench_tps_pgbouncer": round(run.pgbench_pgbouncer.tps, 1) if run.pgbench_pgbouncer else None,
         "pgqueuer_drain_per_s": round(run.peer.rate, 1) if run.peer else None,
         "pgbench_cpu_ms_per_txn": round(per_txn, 3) if per_txn else None,
         "server_cpu_ratio": {op: round(ratio, 2) for op, ratio in ratios.items()} if ratios else None,
@@ -1966,6 +1977,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[ScenarioResult] = []
     baselines: dict[int, float] = {}
     pgbench_results: dict[int, PgbenchResult] = {}
+    pooled_pgbench: dict[int, PgbenchResult] = {}  # pgbench -N through PgBouncer (--pgbouncer)
     details: list[str] = []
     server = UvicornServer(args.http_processes) if args.http else None
     sink = DiscardingOtlpReceiver().__enter__() if args.http and args.tracing else None
@@ -2031,6 +2043,12 @@ def main(argv: list[str] | None = None) -> int:
                 baselines[workers] = baseline.tps
                 print("  " + baseline.summary())
                 details.append(baseline.summary())
+                if bouncer:  # the same transactions through the same PgBouncer: what the hop costs anything
+                    print(f"W={workers}: pgbench -N -c {workers} through PgBouncer ...", flush=True)
+                    pooled_pgbench[workers], line = pgbench_through(pgbench, bouncer, workers, args.pgbench_seconds)
+                    line += f"; {pooled_pgbench[workers].tps / baseline.tps:.2f}x direct"
+                    print("  " + line)
+                    details.append(line)
                 if args.notify_probe:
                     probe = notify_probe(pgbench, url, workers, 8)
                     line = (
@@ -2069,7 +2087,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = (
         target_verdicts(results, pgbench_results, peer)
         + http_verdicts(results, baselines, costs, sdk_drain, pgbench_results.get(JSON_WORKERS))
-        + pgbouncer_verdicts(results)
+        + pgbouncer_verdicts(results, baselines, pooled_pgbench)
     )
     print("\n" + table + "\n")
     for verdict in verdicts:
@@ -2082,7 +2100,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nrecorded in {RECORD_PATH.relative_to(ROOT)}")
     if args.json:
         figures = RunFigures(
-            results, baselines, peer, service_sql, args.batch, costs, sdk_drain, pgbench_results.get(JSON_WORKERS)
+            results,
+            baselines,
+            peer,
+            service_sql,
+            args.batch,
+            costs,
+            sdk_drain,
+            pgbench_results.get(JSON_WORKERS),
+            pooled_pgbench.get(JSON_WORKERS),
         )
         write_json(args.json, json_figures(figures))
         print(f"\nfigures written to {args.json}")
@@ -2244,10 +2270,21 @@ def pgbouncer_ratios(results: list[ScenarioResult]) -> dict[tuple[str, int], dic
     return ratios
 
 
-def pgbouncer_verdicts(results: list[ScenarioResult]) -> list[str]:
-    """Return issue 30's verdicts: each HTTP pipeline through PgBouncer against the direct one, and their CPU."""
+def pgbouncer_verdicts(
+    results: list[ScenarioResult], baselines: dict[int, float], pooled_pgbench: dict[int, PgbenchResult]
+) -> list[str]:
+    """Return issue 30's verdicts: each HTTP pipeline through PgBouncer against the direct one, and their CPU.
+
+    Beside them, ``pgbench -N`` through the same PgBouncer against direct: what the hop costs
+    transactions that are not runstate's, on the same machine.
+    """
     direct = {(r.mode, r.workers): r for r in results}
-    lines = []
+    lines = [
+        f"W={workers}: pgbench -N through PgBouncer {pooled.tps:.0f} TPS vs direct {baselines[workers]:.0f} TPS "
+        f"= {pooled.tps / baselines[workers]:.2f}x"
+        for workers, pooled in pooled_pgbench.items()
+        if baselines.get(workers)
+    ]
     for (mode, workers), ratio in pgbouncer_ratios(results).items():
         pooled, plain = direct[(mode, workers)], direct[(mode.removesuffix(" pgbouncer"), workers)]
 
