@@ -41,9 +41,11 @@ Before any timing it counts the SQL statements of one call of each kind in each 
 (service layer, ``CaptureQueriesContext``) and of one request of each kind (in-process
 Django test client, every connection counted). Every scenario is verified afterwards with
 one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded`` events;
-and the WAL written over its two phases is printed per task: the whole server's
-(``pg_current_wal_lsn()`` before and after, other sessions' writes too) and the benchmark
-database's alone (its records read back with ``pg_walinspect``, when the role may create it).
+and over its two phases, per task: the CPU of the benchmark database's backends (every one
+connected to it, read from /proc: the API servers' and PgBouncer's too, no other database's),
+and the WAL written, the whole server's (``pg_current_wal_lsn()`` before and after, other
+sessions' writes too) and the benchmark database's alone (its records read back with
+``pg_walinspect``, when the role may create it).
 
 The database (``DATABASE_URL``, default ``postgres://postgres@127.0.0.1:5432/runstate_bench``)
 is created when missing and migrated; when its name contains ``bench`` the coordination
@@ -479,8 +481,8 @@ class ScenarioResult:
     verification: dict[str, Any]
     submit_cpu: CpuMeter = field(repr=False)
     claim_cpu: CpuMeter = field(repr=False)
-    # WAL written over both phases, bytes: the whole server's and the database's (``WalMeter``).
-    wal: dict[str, int | None] | None = None
+    # Over both phases: the database's backends' CPU, WAL bytes the whole server's and the database's.
+    database: dict[str, float | None] | None = None
     # Through PgBouncer: its transactions, queries and client wait (us) per task (bench/pooler.py).
     pooler: dict[str, float] | None = None
 
@@ -544,19 +546,34 @@ WHERE ours OR xid IN (SELECT xid FROM records WHERE ours AND xid <> 0)
 """
 
 
-class WalMeter:
-    """The WAL written while the block runs (``figures``): the whole server's, and the benchmark database's alone.
+DATABASE_BACKENDS_SQL = (
+    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
 
-    The server's is ``pg_wal_lsn_diff`` of the positions before and after (other sessions'
-    writes count too). The database's is read back from the WAL itself with ``pg_walinspect``
-    (PostgreSQL 15's contrib, created in the benchmark database when the role may), which
-    needs the WAL still there: a temporary replication slot of this meter's own connection
-    keeps it from the start until the figure is read, and goes with the connection. Without
-    either, ``figures["database"]`` is None and ``note`` says why; ``figures["database_fpi"]`` is
-    the part of it that is full-page images (the first change of a page after a checkpoint).
+
+class DatabaseMeter:
+    """What the benchmark database's server side did while the block runs (``figures``): CPU and WAL.
+
+    - ``backend_cpu_s``: the CPU of every backend connected to the benchmark database (the API
+      servers' pools, PgBouncer's server connections), read from /proc at the start and at
+      the end (one that left in between is missed; the pools keep theirs). Unlike the whole
+      server's, no other database's work counts. None with ``backends=False``: the service
+      scenarios' threads connect and leave inside the block, and ``run_threads`` counts
+      their backends itself.
+    - ``server``: the WAL bytes of ``pg_wal_lsn_diff`` between the positions before and after
+      (other sessions' writes count too).
+    - ``database``: the benchmark database's WAL bytes alone, read back from the WAL with
+      ``pg_walinspect`` (PostgreSQL 15's contrib, created in the database when the role may);
+      a temporary replication slot of this meter's own connection keeps the WAL until then
+      and goes with the connection. None when either cannot be had (``note`` says why).
+      ``database_fpi``: the part of it that is full-page images (the first change of a page
+      after a checkpoint).
     """
 
-    def __enter__(self) -> WalMeter:
+    def __init__(self, *, backends: bool = True) -> None:
+        self.backends = backends
+
+    def __enter__(self) -> DatabaseMeter:
         import psycopg
 
         self.note = ""
@@ -570,14 +587,22 @@ class WalMeter:
         except psycopg.Error as error:
             self.note, self._inspect = f"no per-database WAL figure: {error}".strip(), False
         self._start = self._conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+        self._cpu = {pid: _process_tree_seconds(pid) for (pid,) in self._conn.execute(DATABASE_BACKENDS_SQL)}
         return self
 
     def __exit__(self, *exc) -> None:
         import psycopg
 
         try:
+            pids = [pid for (pid,) in self._conn.execute(DATABASE_BACKENDS_SQL)]
             query = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::bigint"
-            self.figures = {"server": self._conn.execute(query, [self._start]).fetchone()[0], "database": None}
+            self.figures = {
+                "backend_cpu_s": sum(_process_tree_seconds(pid) - self._cpu.get(pid, 0.0) for pid in pids)
+                if self.backends
+                else None,
+                "server": self._conn.execute(query, [self._start]).fetchone()[0],
+                "database": None,
+            }
             if self._inspect:
                 oid = self._conn.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
                 ours = f"%/{oid.fetchone()[0]}/%"
@@ -846,7 +871,7 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
         return True
 
     connection.close()
-    with WalMeter() as wal:
+    with DatabaseMeter(backends=False) as database:
         submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
         claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
     verification = verify_run(service.run.id, tasks)
@@ -865,7 +890,7 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
-        wal=wal.figures,
+        database=database.figures,
     )
 
 
@@ -1159,7 +1184,7 @@ def run_http_scenario(
 
     pids = {"server_pid": server.process.pid, "pooler_pid": server.pooler.pid if server.pooler else None}
     clients = {"setup": open_client, "teardown": httpx.Client.close}
-    with WalMeter() as wal:
+    with DatabaseMeter() as database:
         submit_s, _, submit_cpu = run_threads(workers, submitter, **clients, **pids)
         claim_s, results, claim_cpu = run_threads(workers, claimer, **clients, **pids)
     pooler = stats_per_task(pooler_before, server.pooler.stats(), tasks) if server.pooler else None
@@ -1179,7 +1204,7 @@ def run_http_scenario(
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
-        wal=wal.figures,
+        database=database.figures,
         pooler=pooler,
     )
 
@@ -2128,7 +2153,7 @@ def scenario_lines(result: ScenarioResult) -> list[str]:
         f"claim p50/p99 {result.claim_ms(0.5):.2f}/{result.claim_ms(0.99):.2f} ms, "
         f"complete p50/p99 {result.complete_ms(0.5):.2f}/{result.complete_ms(0.99):.2f} ms; "
         f"pipeline {result.pipeline_rate:.0f} tasks/s",
-        *([wal_text(result.wal, n)] if result.wal else []),
+        *([database_text(result.database, n)] if result.database else []),
         *(
             [
                 f"through PgBouncer: {result.pooler['xacts']:.2f} transactions and {result.pooler['queries']:.2f} "
@@ -2141,15 +2166,17 @@ def scenario_lines(result: ScenarioResult) -> list[str]:
     ]
 
 
-def wal_text(wal: dict[str, int | None], tasks: int) -> str:
-    """Return the WAL line of a scenario: bytes per task, the database's and the whole server's."""
+def database_text(database: dict[str, float | None], tasks: int) -> str:
+    """Return a scenario's database line: its backends' CPU, then WAL per task, the database's and the server's."""
     ours = (
-        f"{wal['database'] / tasks:,.0f} bytes/task this database's (pg_walinspect; "
-        f"{wal['database_fpi'] / tasks:,.0f} of them full-page images), "
-        if wal["database"]
+        f"{database['database'] / tasks:,.0f} bytes/task this database's (pg_walinspect; "
+        f"{database['database_fpi'] / tasks:,.0f} of them full-page images), "
+        if database["database"]
         else ""
     )
-    return f"WAL {ours}{wal['server'] / tasks:,.0f} bytes/task the whole server's (other sessions' too)"
+    backends = database["backend_cpu_s"]
+    cpu = "" if backends is None else f"this database's postgres backends {1000 * backends / tasks:.2f} CPU ms/task; "
+    return cpu + f"WAL {ours}{database['server'] / tasks:,.0f} bytes/task the whole server's (other sessions' too)"
 
 
 def target_verdicts(results: list[ScenarioResult], baselines: dict[int, PgbenchResult], peer: Any = None) -> list[str]:
@@ -2290,9 +2317,12 @@ def pgbouncer_verdicts(
 
         def cpu(r: ScenarioResult) -> str:
             ms = lambda seconds: 1000 * seconds / r.tasks  # noqa: E731
+            postgres = (r.database or {}).get("backend_cpu_s")
+            if postgres is None:
+                postgres = r.submit_cpu.postgres_s + r.claim_cpu.postgres_s
             parts = [
                 f"uvicorn {ms(r.submit_cpu.server_s + r.claim_cpu.server_s):.2f}",
-                f"postgres {ms(r.submit_cpu.postgres_s + r.claim_cpu.postgres_s):.2f}",
+                f"postgres {ms(postgres):.2f}",
             ]
             if r.submit_cpu.pooler_pid:
                 parts.append(f"pgbouncer {ms(r.submit_cpu.pooler_s + r.claim_cpu.pooler_s):.2f}")
@@ -2305,7 +2335,7 @@ def pgbouncer_verdicts(
             f"vs direct {plain.pipeline_rate:.0f} tasks/s = {ratio['pipeline']:.2f}x "
             f"(target >= {PGBOUNCER_TARGET}x: {met}); submit {ratio['submit']:.2f}x, claim+complete "
             f"{ratio['drain']:.2f}x; CPU ms/task through PgBouncer {cpu(pooled)} vs direct {cpu(plain)} "
-            "(postgres: the whole server's)"
+            "(postgres: the benchmark database's backends, or the whole server's where they were not measured)"
         )
     return lines
 
