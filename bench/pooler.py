@@ -25,10 +25,6 @@ class MachinePostgres:
     database: str
     direct_url: str
 
-    def url(self, database: str | None = None) -> str:
-        """Return the direct URL (``database`` other than the benchmark's is not needed here)."""
-        return self.direct_url
-
 
 class BenchPgBouncer:
     """PgBouncer (transaction mode, ``pool_size`` server connections) before the server of ``direct_url``."""
