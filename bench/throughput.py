@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.throughput [--tasks N] [--workers 4[,8]] [--modes unbatched,batched]
                                          [--no-http] [--http-processes 2] [--no-sdk] [--no-pgqueuer]
-                                         [--tracing] [--json PATH] [--record]
+                                         [--tracing] [--pgbouncer] [--json PATH] [--record]
 
 For each worker count W (4 unless ``--workers`` says otherwise) it measures, in this order
 and never overlapping:
@@ -19,11 +19,17 @@ and never overlapping:
   50, as ``--batched-sizes``); with ``--tracing``, the unbatched one again on a second server
   with tracing on (``OTEL_TRACES_SAMPLER=always_on``, the batch span processor, OTLP/HTTP to a
   local receiver that discards), right after the untraced one (``http_unbatched_tracing``);
+  with ``--pgbouncer``, each HTTP pipeline again right after its direct one, on a server whose
+  ``DATABASE_URL`` goes through a PgBouncer in transaction mode started here on a free port
+  (``--pgbouncer-pool-size`` server connections, 10; bench/pooler.py), prepared statements off
+  and the LISTEN connection direct, as docs/deploy.md deploys it (``http_unbatched_pgbouncer``,
+  ``http_batched_pgbouncer``; PgBouncer's CPU and its transactions and queries per task too);
 * baseline: ``pgbench -N -c W -j W -T 15`` against the same PostgreSQL server.
 
 With the HTTP server up, once: the server's CPU per unbatched request of each kind (submit,
 claim of 1, complete; ``--cost-calls`` of each, one at a time from one client, the uvicorn
-processes' CPU time divided by the calls), and the SDK scenario (``--sdk``): a backlog of
+processes' CPU time divided by the calls; with ``--pgbouncer`` the pooled server's too, and
+PgBouncer's), and the SDK scenario (``--sdk``): a backlog of
 the HTTP N tasks submitted with ``submit_many``, drained by the SDK's real ``consume`` loop
 (``AsyncRunstate``, ``--sdk-concurrency`` 8) in this process.
 
@@ -34,7 +40,12 @@ database of its own. It needs bench/requirements.txt; without it the benchmark s
 Before any timing it counts the SQL statements of one call of each kind in each mode
 (service layer, ``CaptureQueriesContext``) and of one request of each kind (in-process
 Django test client, every connection counted). Every scenario is verified afterwards with
-one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded`` events.
+one query: N tasks, all ``SUCCEEDED`` with ``attempts == 1``, N ``task.succeeded`` events;
+and over its two phases, per task: the CPU of the benchmark database's backends (every one
+connected to it, read from /proc: the API servers' and PgBouncer's too, no other database's),
+and the WAL written, the whole server's (``pg_current_wal_lsn()`` before and after, other
+sessions' writes too) and the benchmark database's alone (its records read back with
+``pg_walinspect``, when the role may create it).
 
 The database (``DATABASE_URL``, default ``postgres://postgres@127.0.0.1:5432/runstate_bench``)
 is created when missing and migrated; when its name contains ``bench`` the coordination
@@ -48,6 +59,7 @@ Not a test: pytest never collects this module (see bench/__init__.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import glob
 import json
@@ -68,6 +80,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from bench.pooler import BenchPgBouncer, stats_per_task
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/runstate_bench"
 PGBENCH_DATABASE = "runstate_pgbench"
@@ -87,6 +101,8 @@ REQUEST_CPU_MS_TARGETS = {"submit": 3.0, "complete": 2.0}
 # Issue 27, same run: server CPU per unbatched submit, claim and complete against the CPU of one
 # pgbench -N transaction (pgbench's own and its backends').
 REQUEST_CPU_RATIO_TARGET = 3.0
+# Issue 30, same run: each HTTP pipeline through PgBouncer (transaction mode) against direct connections.
+PGBOUNCER_TARGET = 0.8
 MAILBOX = "bench"
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -282,8 +298,9 @@ class CpuMeter:
     request each) and other processes.
     """
 
-    def __init__(self, server_pid: int | None = None) -> None:
+    def __init__(self, server_pid: int | None = None, pooler_pid: int | None = None) -> None:
         self.server_pid = server_pid
+        self.pooler_pid = pooler_pid  # PgBouncer's, with --pgbouncer
         self.backend_s = 0.0  # set by run_threads: CPU of the PostgreSQL backends of our threads
 
     def __enter__(self) -> CpuMeter:
@@ -292,6 +309,7 @@ class CpuMeter:
         times = os.times()
         self._own = times.user + times.system
         self._server = _process_tree_seconds(self.server_pid) if self.server_pid else 0.0
+        self._pooler = _process_tree_seconds(self.pooler_pid) if self.pooler_pid else 0.0
         self._postgres = _postgres_seconds(POSTMASTER["pid"])
         return self
 
@@ -301,6 +319,7 @@ class CpuMeter:
         self.machine_s = (_machine_jiffies()[0] - self._machine) / CLK_TCK
         self.bench_s = times.user + times.system - self._own
         self.server_s = _process_tree_seconds(self.server_pid) - self._server if self.server_pid else 0.0
+        self.pooler_s = _process_tree_seconds(self.pooler_pid) - self._pooler if self.pooler_pid else 0.0
         self.postgres_s = _postgres_seconds(POSTMASTER["pid"]) - self._postgres
 
     @property
@@ -311,7 +330,8 @@ class CpuMeter:
     @property
     def others_s(self) -> float:
         """CPU-seconds of everything else on the machine meanwhile (not us, not PostgreSQL)."""
-        return max(0.0, self.machine_s - self.bench_s - self.server_s - max(self.postgres_s, self.backend_s))
+        ours = self.bench_s + self.server_s + self.pooler_s + max(self.postgres_s, self.backend_s)
+        return max(0.0, self.machine_s - ours)
 
     def summary(self) -> str:
         """Return the CPU use as percent of one CPU (100% = one CPU fully busy)."""
@@ -321,18 +341,22 @@ class CpuMeter:
             parts.append(f"its postgres backends {pct(self.backend_s)}")
         if self.server_pid:
             parts.append(f"uvicorn {pct(self.server_s)}")
+        if self.pooler_pid:
+            parts.append(f"pgbouncer {pct(self.pooler_s)}")
         if POSTMASTER["pid"]:
             parts.append(f"other postgres {pct(self.other_postgres_s)}")
         parts.append(f"other processes {pct(self.others_s)}")
         return f"CPU {', '.join(parts)} (100% = one of {os.cpu_count()} CPUs)"
 
     def per_task_ms(self, tasks: int) -> str:
-        """Return CPU milliseconds per task, ours only (bench + backends + uvicorn)."""
+        """Return CPU milliseconds per task, ours only (bench + backends + uvicorn + PgBouncer)."""
         parts = [f"bench {1000 * self.bench_s / tasks:.2f}"]
         if self.backend_s:
             parts.append(f"postgres {1000 * self.backend_s / tasks:.2f}")
         if self.server_pid:
             parts.append(f"uvicorn {1000 * self.server_s / tasks:.2f}")
+        if self.pooler_pid:
+            parts.append(f"pgbouncer {1000 * self.pooler_s / tasks:.2f}")
         return " + ".join(parts) + " CPU ms/task"
 
 
@@ -378,6 +402,7 @@ def run_threads(
     setup: Callable[[int], Any] | None = None,
     teardown: Callable[[Any], None] | None = None,
     server_pid: int | None = None,
+    pooler_pid: int | None = None,
 ) -> tuple[float, list[Any], CpuMeter]:
     """Run ``work(i, setup(i))`` on ``count`` threads started together; return (seconds, results, cpu).
 
@@ -416,7 +441,7 @@ def run_threads(
         barrier.wait(timeout=120)
     except threading.BrokenBarrierError:
         pass
-    with CpuMeter(server_pid) as cpu:
+    with CpuMeter(server_pid, pooler_pid) as cpu:
         started = time.perf_counter()
         for thread in threads:
             thread.join()
@@ -456,6 +481,10 @@ class ScenarioResult:
     verification: dict[str, Any]
     submit_cpu: CpuMeter = field(repr=False)
     claim_cpu: CpuMeter = field(repr=False)
+    # Over both phases: the database's backends' CPU, WAL bytes the whole server's and the database's.
+    database: dict[str, float | None] | None = None
+    # Through PgBouncer: its transactions, queries and client wait (us) per task (bench/pooler.py).
+    pooler: dict[str, float] | None = None
 
     @property
     def submit_rate(self) -> float:
@@ -502,6 +531,90 @@ def verify_run(run_id: uuid.UUID, expected: int) -> dict[str, Any]:
         "distinct_subjects": distinct,
         "ok": ok,
     }
+
+
+# The WAL records since a position that belong to this database: those touching one of its
+# relations (a block reference ``rel <tablespace>/<database oid>/<relation>``), and every record
+# of a transaction that wrote one (its commit). pg_walinspect reads only flushed WAL.
+DATABASE_WAL_SQL = """
+WITH records AS (
+    SELECT xid, record_length, fpi_length, coalesce(block_ref, '') LIKE %(ours)s AS ours
+    FROM pg_get_wal_records_info(%(start)s, pg_current_wal_flush_lsn())
+)
+SELECT coalesce(sum(record_length), 0)::bigint, coalesce(sum(fpi_length), 0)::bigint FROM records
+WHERE ours OR xid IN (SELECT xid FROM records WHERE ours AND xid <> 0)
+"""
+
+
+DATABASE_BACKENDS_SQL = (
+    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
+
+class DatabaseMeter:
+    """What the benchmark database's server side did while the block runs (``figures``): CPU and WAL.
+
+    - ``backend_cpu_s``: the CPU of every backend connected to the benchmark database (the API
+      servers' pools, PgBouncer's server connections), read from /proc at the start and at
+      the end (one that left in between is missed; the pools keep theirs). Unlike the whole
+      server's, no other database's work counts. None with ``backends=False``: the service
+      scenarios' threads connect and leave inside the block, and ``run_threads`` counts
+      their backends itself.
+    - ``server``: the WAL bytes of ``pg_wal_lsn_diff`` between the positions before and after
+      (other sessions' writes count too).
+    - ``database``: the benchmark database's WAL bytes alone, read back from the WAL with
+      ``pg_walinspect`` (PostgreSQL 15's contrib, created in the database when the role may);
+      a temporary replication slot of this meter's own connection keeps the WAL until then
+      and goes with the connection. None when either cannot be had (``note`` says why).
+      ``database_fpi``: the part of it that is full-page images (the first change of a page
+      after a checkpoint).
+    """
+
+    def __init__(self, *, backends: bool = True) -> None:
+        self.backends = backends
+
+    def __enter__(self) -> DatabaseMeter:
+        import psycopg
+
+        self.note = ""
+        self._conn = psycopg.connect(**db_params(os.environ["DATABASE_URL"]), autocommit=True)
+        try:
+            self._conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            self._conn.execute(
+                "SELECT pg_create_physical_replication_slot(%s, true, true)", [f"bench_wal_{os.getpid()}"]
+            )
+            self._inspect = True
+        except psycopg.Error as error:
+            self.note, self._inspect = f"no per-database WAL figure: {error}".strip(), False
+        self._start = self._conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+        self._cpu = {pid: _process_tree_seconds(pid) for (pid,) in self._conn.execute(DATABASE_BACKENDS_SQL)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import psycopg
+
+        try:
+            pids = [pid for (pid,) in self._conn.execute(DATABASE_BACKENDS_SQL)]
+            query = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::bigint"
+            self.figures = {
+                "backend_cpu_s": sum(_process_tree_seconds(pid) - self._cpu.get(pid, 0.0) for pid in pids)
+                if self.backends
+                else None,
+                "server": self._conn.execute(query, [self._start]).fetchone()[0],
+                "database": None,
+            }
+            if self._inspect:
+                oid = self._conn.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
+                ours = f"%/{oid.fetchone()[0]}/%"
+                try:
+                    rows = self._conn.execute(DATABASE_WAL_SQL, {"start": self._start, "ours": ours})
+                    self.figures["database"], self.figures["database_fpi"] = rows.fetchone()
+                except psycopg.Error as error:
+                    self.note = f"no per-database WAL figure: {error}".strip()
+        finally:
+            self._conn.close()  # and the temporary slot with it
+        if self.note:
+            print(f"  note: {self.note}")
 
 
 def verification_text(v: dict[str, Any], expected: int) -> str:
@@ -757,8 +870,10 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
         connection.ensure_connection()
         return True
 
-    submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
-    claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
+    connection.close()
+    with DatabaseMeter(backends=False) as database:
+        submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
+        claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
     verification = verify_run(service.run.id, tasks)
     connection.close()
     return ScenarioResult(
@@ -775,6 +890,7 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
+        database=database.figures,
     )
 
 
@@ -874,15 +990,21 @@ class UvicornServer:
 
     Started as ``scripts/start`` starts it: ``--workers`` processes, uvicorn's defaults for
     the event loop and the HTTP parser (uvloop and httptools, from ``uvicorn[standard]``).
+    With ``pooler``, its requests go through that PgBouncer (``BenchPgBouncer.server_env``).
     """
 
     def __init__(
-        self, processes: int = 1, extra_env: dict[str, str] | None = None, name: str = "bench-uvicorn"
+        self,
+        processes: int = 1,
+        extra_env: dict[str, str] | None = None,
+        name: str = "bench-uvicorn",
+        pooler: Any = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.processes = processes
-        self.extra_env = extra_env or {}
+        self.pooler = pooler  # a bench.pooler.BenchPgBouncer the server's DATABASE_URL goes through, or None
+        self.extra_env = (pooler.server_env() if pooler else {}) | (extra_env or {})
         self.log_path = ROOT / "var" / f"{name}.log"
 
     def __enter__(self) -> UvicornServer:
@@ -996,7 +1118,9 @@ def run_http_scenario(
     *unbatched*: one ``POST /v1/mailboxes/{name}/tasks`` per task, claims of ``max`` = the
     claim size, one ``POST /v1/claims/{id}/complete`` per claim. *batched*: ``POST
     /v1/mailboxes/{name}/tasks/batch`` of the submit size, claims of the claim size, ``POST
-    /v1/claims/complete`` of the complete size. ``sizes`` is (submit, claim, complete).
+    /v1/claims/complete`` of the complete size. ``sizes`` is (submit, claim, complete). On a
+    server behind PgBouncer (``server.pooler``) the mode is labelled ``... pgbouncer``, and
+    PgBouncer's CPU and its transactions and queries per task are measured too.
     """
     import httpx
     from django.db import connection
@@ -1005,6 +1129,7 @@ def run_http_scenario(
     truncate_coordination_tables()
     headers, run_id = http_run(server, f"http-{mode}-w{workers}")
     connection.close()
+    pooler_before = server.pooler.stats() if server.pooler else None
 
     def open_client(_index: int) -> httpx.Client:
         client = httpx.Client(base_url=server.url, headers=headers, timeout=60)
@@ -1057,17 +1182,16 @@ def run_http_scenario(
             done += len(claims)
         return claim_lat[:-1], complete_lat, done, empty
 
-    pid = server.process.pid
-    submit_s, _, submit_cpu = run_threads(
-        workers, submitter, setup=open_client, teardown=lambda c: c.close(), server_pid=pid
-    )
-    claim_s, results, claim_cpu = run_threads(
-        workers, claimer, setup=open_client, teardown=lambda c: c.close(), server_pid=pid
-    )
+    pids = {"server_pid": server.process.pid, "pooler_pid": server.pooler.pid if server.pooler else None}
+    clients = {"setup": open_client, "teardown": httpx.Client.close}
+    with DatabaseMeter() as database:
+        submit_s, _, submit_cpu = run_threads(workers, submitter, **clients, **pids)
+        claim_s, results, claim_cpu = run_threads(workers, claimer, **clients, **pids)
+    pooler = stats_per_task(pooler_before, server.pooler.stats(), tasks) if server.pooler else None
     verification = verify_run(uuid.UUID(run_id), tasks)
     connection.close()
     return ScenarioResult(
-        mode=f"http {mode}",
+        mode=f"http {mode}" + (" pgbouncer" if server.pooler else ""),
         workers=workers,
         tasks=tasks,
         batch=claim_size,
@@ -1080,6 +1204,8 @@ def run_http_scenario(
         verification=verification,
         submit_cpu=submit_cpu,
         claim_cpu=claim_cpu,
+        database=database.figures,
+        pooler=pooler,
     )
 
 
@@ -1090,13 +1216,18 @@ class RequestCosts:
     calls: int
     uvicorn_ms: dict[str, float]  # the uvicorn process tree (every worker process)
     postgres_ms: dict[str, float]  # the whole PostgreSQL server meanwhile
+    pooler_ms: dict[str, float] | None = None  # PgBouncer, when the server's requests go through it
+    wall_ms: dict[str, float] | None = None  # one request's time in the client, answer read
 
     def summary(self) -> str:
         parts = [
             f"{op} {self.uvicorn_ms[op]:.2f} ms uvicorn + {self.postgres_ms[op]:.2f} ms postgres"
+            + (f" + {self.pooler_ms[op]:.2f} ms pgbouncer" if self.pooler_ms else "")
+            + (f" (wall {self.wall_ms[op]:.2f} ms)" if self.wall_ms else "")
             for op in self.uvicorn_ms
         ]
-        return f"server CPU per request ({self.calls} sequential requests of each kind): " + "; ".join(parts)
+        where = " through PgBouncer" if self.pooler_ms else ""
+        return f"server CPU per request{where} ({self.calls} sequential requests of each kind): " + "; ".join(parts)
 
 
 def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
@@ -1114,6 +1245,8 @@ def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
     connection.close()
     uvicorn_ms: dict[str, float] = {}
     postgres_ms: dict[str, float] = {}
+    pooler_ms: dict[str, float] = {}
+    wall_ms: dict[str, float] = {}
     claims: list[dict] = []
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
         for _ in range(20):  # warm every worker process: imports, pool, prepared statements
@@ -1123,11 +1256,13 @@ def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
             _checked(client.post(f"/v1/claims/{claim['claimId']}/complete", json={"outcome": 0}))
 
         def phase(op: str, request: Callable[[int], None]) -> None:
-            with CpuMeter(server.process.pid) as cpu:
+            with CpuMeter(server.process.pid, server.pooler.pid if server.pooler else None) as cpu:
                 for i in range(calls):
                     request(i)
+            wall_ms[op] = 1000 * cpu.wall_s / calls
             uvicorn_ms[op] = 1000 * cpu.server_s / calls
             postgres_ms[op] = 1000 * cpu.postgres_s / calls
+            pooler_ms[op] = 1000 * cpu.pooler_s / calls
 
         submit_body = {"runId": run_id, "input": {"i": 0}}
         claim_body = {"runId": run_id, "max": 1}
@@ -1144,7 +1279,7 @@ def measure_request_costs(server: UvicornServer, calls: int) -> RequestCosts:
             "complete",
             lambda i: _checked(client.post(f"/v1/claims/{claims[i]['claimId']}/complete", json={"outcome": i})),
         )
-    return RequestCosts(calls, uvicorn_ms, postgres_ms)
+    return RequestCosts(calls, uvicorn_ms, postgres_ms, pooler_ms if server.pooler else None, wall_ms)
 
 
 @dataclass
@@ -1314,6 +1449,14 @@ def pgbench_run(pgbench: str, url: str, clients: int, seconds: int) -> PgbenchRe
         client_ms_per_txn=1000 * client_s / (tps * seconds),
         backend_ms_per_txn=1000 * backend_s / (tps * window) if pids and window > 1 else None,
     )
+
+
+def pgbench_through(pgbench: str, bouncer: BenchPgBouncer, clients: int, seconds: int) -> tuple[PgbenchResult, str]:
+    """Run ``pgbench -N`` through ``bouncer``; return its result and a line with PgBouncer's CPU per transaction."""
+    before = _process_tree_seconds(bouncer.pid)
+    result = pgbench_run(pgbench, bouncer.url, clients, seconds)
+    pooler_ms = 1000 * (_process_tree_seconds(bouncer.pid) - before) / (result.tps * seconds)
+    return result, f"through PgBouncer: {result.summary()} + pgbouncer {pooler_ms:.2f} CPU ms/txn"
 
 
 NOTIFY_PROBE_SCRIPTS = {
@@ -1568,6 +1711,7 @@ def record_section(
         f"- Settings: service N={service_n} ({'; '.join(f'{m.name}: {m.sizes}' for m in service_modes(args))}), "
         f"HTTP N={http_n}, batch B={args.batch}, W={args.workers}, {baseline}, {peer_settings(args)}, "
         f"uvicorn processes={args.http_processes}, SDK consume concurrency={args.sdk_concurrency}, DEBUG off"
+        + (f", PgBouncer (transaction mode) pool size {args.pgbouncer_pool_size}" if args.pgbouncer else "")
     )
     body = "\n".join(
         [
@@ -1616,6 +1760,7 @@ class RunFigures:
     costs: RequestCosts | None = None
     sdk_drain: SdkDrain | None = None
     pgbench: PgbenchResult | None = None  # the W = 4 run, for the CPU ratios
+    pgbench_pgbouncer: PgbenchResult | None = None  # the W = 4 run through PgBouncer (--pgbouncer)
 
 
 def server_cpu_ratios(costs: RequestCosts | None, pgbench: PgbenchResult | None) -> dict[str, float] | None:
@@ -1632,7 +1777,10 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
     Rates are per second; ``server_cpu_ms`` is the uvicorn processes' CPU per unbatched
     request of each kind (``measure_request_costs``), ``pgbench_cpu_ms_per_txn`` the CPU of one
     ``pgbench -N`` transaction (pgbench's and its backends') and ``server_cpu_ratio`` the first
-    over the second, per kind (issue 27's target: <= 3); ``statements`` are the SQL statements
+    over the second, per kind (issue 27's target: <= 3); ``http_*_pgbouncer`` are the HTTP
+    pipelines through PgBouncer (``--pgbouncer``) and ``pgbouncer_ratio`` their pipeline rate
+    over the direct one's, per mode (issue 30's target: >= 0.8), ``pgbench_tps_pgbouncer``
+    ``pgbench -N`` through the same PgBouncer; ``statements`` are the SQL statements
     (BEGIN and COMMIT included) of one unbatched submit, one claim of ``--batch`` and one
     complete. A new part adds its key here.
     """
@@ -1661,9 +1809,18 @@ def json_figures(run: RunFigures) -> dict[str, Any]:
         "http_unbatched": rates("http unbatched"),
         "http_batched": rates("http batched"),
         "http_unbatched_tracing": rates("http unbatched tracing"),
+        "http_unbatched_pgbouncer": rates("http unbatched pgbouncer"),
+        "http_batched_pgbouncer": rates("http batched pgbouncer"),
+        "pgbouncer_ratio": {
+            "http_" + mode.removeprefix("http ").removesuffix(" pgbouncer"): round(ratio["pipeline"], 2)
+            for (mode, workers), ratio in pgbouncer_ratios(run.results).items()
+            if workers == JSON_WORKERS
+        }
+        or None,
         "sdk_consume_drain_per_s": round(run.sdk_drain.drain_rate, 1) if run.sdk_drain else None,
         "server_cpu_ms": {op: round(ms, 3) for op, ms in costs.uvicorn_ms.items()} if costs else None,
         "pgbench_tps": round(tps, 1) if tps else None,
+        "pgbench_tps_pgbouncer": round(run.pgbench_pgbouncer.tps, 1) if run.pgbench_pgbouncer else None,
         "pgqueuer_drain_per_s": round(run.peer.rate, 1) if run.peer else None,
         "pgbench_cpu_ms_per_txn": round(per_txn, 3) if per_txn else None,
         "server_cpu_ratio": {op: round(ratio, 2) for op, ratio in ratios.items()} if ratios else None,
@@ -1715,6 +1872,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="also run the unbatched HTTP pipeline on a server with tracing on (100%% sampled, OTLP to a local sink)",
+    )
+    parser.add_argument(
+        "--pgbouncer",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run each HTTP pipeline on a server behind a PgBouncer in transaction mode started here",
+    )
+    parser.add_argument(
+        "--pgbouncer-pool-size", type=int, default=10, help="--pgbouncer: PgBouncer's server connections (10)"
     )
     parser.add_argument("--http-processes", type=int, default=2, help="uvicorn worker processes (2)")
     parser.add_argument("--http-modes", default="unbatched,batched", help="HTTP scenarios to run (unbatched,batched)")
@@ -1776,6 +1942,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.http_mode_names = [m.strip() for m in args.http_modes.split(",") if m.strip()]
     if not set(args.http_mode_names) <= set(HTTP_MODES):
         parser.error("--http-modes takes unbatched, batched or both")
+    if args.pgbouncer and (not args.http or args.pgbouncer_pool_size < 1):
+        parser.error("--pgbouncer runs the HTTP pipelines (not with --no-http) with a positive --pgbouncer-pool-size")
     if args.sdk_concurrency < 1 or args.cost_calls < 1:
         parser.error("--sdk-concurrency and --cost-calls must be positive")
     args.pgqueuer_jobs = args.pgqueuer_jobs or args.tasks
@@ -1834,22 +2002,49 @@ def main(argv: list[str] | None = None) -> int:
     results: list[ScenarioResult] = []
     baselines: dict[int, float] = {}
     pgbench_results: dict[int, PgbenchResult] = {}
+    pooled_pgbench: dict[int, PgbenchResult] = {}  # pgbench -N through PgBouncer (--pgbouncer)
     details: list[str] = []
     server = UvicornServer(args.http_processes) if args.http else None
     sink = DiscardingOtlpReceiver().__enter__() if args.http and args.tracing else None
     traced = UvicornServer(args.http_processes, tracing_env(sink.url), "bench-uvicorn-tracing") if sink else None
+    bouncer = BenchPgBouncer(url, args.pgbouncer_pool_size) if args.http and args.pgbouncer else None
+    pooled = UvicornServer(args.http_processes, name="bench-uvicorn-pgbouncer", pooler=bouncer) if bouncer else None
+    pooling = contextlib.ExitStack()  # PgBouncer and the server behind it, stopped in that order's reverse
     costs: RequestCosts | None = None
     sdk_drain: SdkDrain | None = None
     if server:
         server.__enter__()
     if traced:
         traced.__enter__()
+
+    def http_scenario(
+        target: UvicornServer, workers: int, http_mode: str, sizes: tuple[int, int, int], what: str, suffix: str = ""
+    ) -> None:
+        """Run one HTTP scenario on ``target``, print and keep its lines (its mode ``http <mode> <suffix>``)."""
+        print(f"W={workers}: {what} ...", flush=True)
+        result = run_http_scenario(target, args.http_tasks, workers, http_mode, sizes)
+        result.mode = " ".join(filter(None, (result.mode, suffix)))
+        results.append(result)
+        for line in scenario_lines(result):
+            print("  " + line)
+            details.append(f"{result.mode.replace('http', 'HTTP', 1)} W={workers}: {line}")
+
     try:
+        if bouncer:
+            pooling.enter_context(bouncer)
+            pooling.enter_context(pooled)
+            print(f"\n{bouncer.describe()}; the second API server's DATABASE_URL goes through it")
+            details.append(bouncer.describe())
         if server:
             print(f"\nserver CPU per request: {args.cost_calls} of each kind, one at a time ...", flush=True)
             costs = measure_request_costs(server, args.cost_calls)
             print("  " + costs.summary())
             details.append(costs.summary())
+        if pooled:
+            print(f"server CPU per request through PgBouncer: {args.cost_calls} of each kind ...", flush=True)
+            pooled_costs = measure_request_costs(pooled, args.cost_calls)
+            print("  " + pooled_costs.summary())
+            details.append(pooled_costs.summary())
         for workers in args.worker_counts:
             for mode in modes if args.service else []:
                 print(f"\nW={workers}: service layer {mode.name}, {args.tasks} tasks, {mode.sizes} ...", flush=True)
@@ -1860,20 +2055,11 @@ def main(argv: list[str] | None = None) -> int:
                     details.append(f"service {mode.name} W={workers}: {line}")
             for http_mode in args.http_mode_names if server else []:
                 sizes = args.batched_sizes if http_mode == "batched" else (1, args.batch, 1)
-                print(f"W={workers}: HTTP {http_mode}, {args.http_tasks} tasks, {sizes} ...", flush=True)
-                result = run_http_scenario(server, args.http_tasks, workers, http_mode, sizes)
-                results.append(result)
-                for line in scenario_lines(result):
-                    print("  " + line)
-                    details.append(f"HTTP {http_mode} W={workers}: {line}")
+                http_scenario(server, workers, http_mode, sizes, f"HTTP {http_mode}, {args.http_tasks} tasks, {sizes}")
                 if traced and http_mode == "unbatched":
-                    print(f"W={workers}: HTTP unbatched, tracing on, {args.http_tasks} tasks ...", flush=True)
-                    traced_result = run_http_scenario(traced, args.http_tasks, workers, http_mode, sizes)
-                    traced_result.mode = "http unbatched tracing"
-                    results.append(traced_result)
-                    for line in scenario_lines(traced_result):
-                        print("  " + line)
-                        details.append(f"HTTP unbatched tracing W={workers}: {line}")
+                    http_scenario(traced, workers, http_mode, sizes, "HTTP unbatched, tracing on", "tracing")
+                if pooled:
+                    http_scenario(pooled, workers, http_mode, sizes, f"HTTP {http_mode} through PgBouncer")
 
             if pgbench:
                 print(f"W={workers}: pgbench -N -c {workers} -j {workers} -T {args.pgbench_seconds} ...", flush=True)
@@ -1882,6 +2068,12 @@ def main(argv: list[str] | None = None) -> int:
                 baselines[workers] = baseline.tps
                 print("  " + baseline.summary())
                 details.append(baseline.summary())
+                if bouncer:  # the same transactions through the same PgBouncer: what the hop costs anything
+                    print(f"W={workers}: pgbench -N -c {workers} through PgBouncer ...", flush=True)
+                    pooled_pgbench[workers], line = pgbench_through(pgbench, bouncer, workers, args.pgbench_seconds)
+                    line += f"; {pooled_pgbench[workers].tps / baseline.tps:.2f}x direct"
+                    print("  " + line)
+                    details.append(line)
                 if args.notify_probe:
                     probe = notify_probe(pgbench, url, workers, 8)
                     line = (
@@ -1896,6 +2088,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + sdk_drain.summary())
             details.append(f"SDK consume: {sdk_drain.summary()}")
     finally:
+        pooling.close()
         if server:
             server.__exit__()
         if traced:
@@ -1916,8 +2109,10 @@ def main(argv: list[str] | None = None) -> int:
             details.append(line)
 
     table = results_table(results, baselines, peer)
-    verdicts = target_verdicts(results, pgbench_results, peer) + http_verdicts(
-        results, baselines, costs, sdk_drain, pgbench_results.get(JSON_WORKERS)
+    verdicts = (
+        target_verdicts(results, pgbench_results, peer)
+        + http_verdicts(results, baselines, costs, sdk_drain, pgbench_results.get(JSON_WORKERS))
+        + pgbouncer_verdicts(results, baselines, pooled_pgbench)
     )
     print("\n" + table + "\n")
     for verdict in verdicts:
@@ -1930,7 +2125,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nrecorded in {RECORD_PATH.relative_to(ROOT)}")
     if args.json:
         figures = RunFigures(
-            results, baselines, peer, service_sql, args.batch, costs, sdk_drain, pgbench_results.get(JSON_WORKERS)
+            results,
+            baselines,
+            peer,
+            service_sql,
+            args.batch,
+            costs,
+            sdk_drain,
+            pgbench_results.get(JSON_WORKERS),
+            pooled_pgbench.get(JSON_WORKERS),
         )
         write_json(args.json, json_figures(figures))
         print(f"\nfigures written to {args.json}")
@@ -1950,8 +2153,30 @@ def scenario_lines(result: ScenarioResult) -> list[str]:
         f"claim p50/p99 {result.claim_ms(0.5):.2f}/{result.claim_ms(0.99):.2f} ms, "
         f"complete p50/p99 {result.complete_ms(0.5):.2f}/{result.complete_ms(0.99):.2f} ms; "
         f"pipeline {result.pipeline_rate:.0f} tasks/s",
+        *([database_text(result.database, n)] if result.database else []),
+        *(
+            [
+                f"through PgBouncer: {result.pooler['xacts']:.2f} transactions and {result.pooler['queries']:.2f} "
+                f"queries per task; clients waited {result.pooler['wait_us'] / 1000:.3f} ms per task for a server"
+            ]
+            if result.pooler
+            else []
+        ),
         verification_text(result.verification, result.tasks),
     ]
+
+
+def database_text(database: dict[str, float | None], tasks: int) -> str:
+    """Return a scenario's database line: its backends' CPU, then WAL per task, the database's and the server's."""
+    ours = (
+        f"{database['database'] / tasks:,.0f} bytes/task this database's (pg_walinspect; "
+        f"{database['database_fpi'] / tasks:,.0f} of them full-page images), "
+        if database["database"]
+        else ""
+    )
+    backends = database["backend_cpu_s"]
+    cpu = "" if backends is None else f"this database's postgres backends {1000 * backends / tasks:.2f} CPU ms/task; "
+    return cpu + f"WAL {ours}{database['server'] / tasks:,.0f} bytes/task the whole server's (other sessions' too)"
 
 
 def target_verdicts(results: list[ScenarioResult], baselines: dict[int, PgbenchResult], peer: Any = None) -> list[str]:
@@ -2052,6 +2277,65 @@ def http_verdicts(
             f"server CPU per unbatched {op}: {costs.uvicorn_ms[op]:.2f} ms vs pgbench -N "
             f"{pgbench.cpu_ms_per_txn:.2f} CPU ms/txn = {ratio:.2f}x "
             f"(target <= {REQUEST_CPU_RATIO_TARGET}x: {'met' if ratio <= REQUEST_CPU_RATIO_TARGET else 'NOT met'})"
+        )
+    return lines
+
+
+def pgbouncer_ratios(results: list[ScenarioResult]) -> dict[tuple[str, int], dict[str, float]]:
+    """Return, per HTTP mode run through PgBouncer, its rates ÷ the direct run's (same W, same run)."""
+    direct = {(r.mode, r.workers): r for r in results}
+    ratios = {}
+    for r in results:
+        plain = direct.get((r.mode.removesuffix(" pgbouncer"), r.workers))
+        if not r.mode.endswith(" pgbouncer") or plain is None:
+            continue
+        ratios[(r.mode, r.workers)] = {
+            "submit": r.submit_rate / plain.submit_rate,
+            "drain": r.claim_complete_rate / plain.claim_complete_rate,
+            "pipeline": r.pipeline_rate / plain.pipeline_rate,
+        }
+    return ratios
+
+
+def pgbouncer_verdicts(
+    results: list[ScenarioResult], baselines: dict[int, float], pooled_pgbench: dict[int, PgbenchResult]
+) -> list[str]:
+    """Return issue 30's verdicts: each HTTP pipeline through PgBouncer against the direct one, and their CPU.
+
+    Beside them, ``pgbench -N`` through the same PgBouncer against direct: what the hop costs
+    transactions that are not runstate's, on the same machine.
+    """
+    direct = {(r.mode, r.workers): r for r in results}
+    lines = [
+        f"W={workers}: pgbench -N through PgBouncer {pooled.tps:.0f} TPS vs direct {baselines[workers]:.0f} TPS "
+        f"= {pooled.tps / baselines[workers]:.2f}x"
+        for workers, pooled in pooled_pgbench.items()
+        if baselines.get(workers)
+    ]
+    for (mode, workers), ratio in pgbouncer_ratios(results).items():
+        pooled, plain = direct[(mode, workers)], direct[(mode.removesuffix(" pgbouncer"), workers)]
+
+        def cpu(r: ScenarioResult) -> str:
+            ms = lambda seconds: 1000 * seconds / r.tasks  # noqa: E731
+            postgres = (r.database or {}).get("backend_cpu_s")
+            if postgres is None:
+                postgres = r.submit_cpu.postgres_s + r.claim_cpu.postgres_s
+            parts = [
+                f"uvicorn {ms(r.submit_cpu.server_s + r.claim_cpu.server_s):.2f}",
+                f"postgres {ms(postgres):.2f}",
+            ]
+            if r.submit_cpu.pooler_pid:
+                parts.append(f"pgbouncer {ms(r.submit_cpu.pooler_s + r.claim_cpu.pooler_s):.2f}")
+            return " + ".join(parts)
+
+        met = "met" if ratio["pipeline"] >= PGBOUNCER_TARGET else "NOT met"
+        name = plain.mode.removeprefix("http ")
+        lines.append(
+            f"W={workers}: HTTP {name} pipeline through PgBouncer {pooled.pipeline_rate:.0f} tasks/s "
+            f"vs direct {plain.pipeline_rate:.0f} tasks/s = {ratio['pipeline']:.2f}x "
+            f"(target >= {PGBOUNCER_TARGET}x: {met}); submit {ratio['submit']:.2f}x, claim+complete "
+            f"{ratio['drain']:.2f}x; CPU ms/task through PgBouncer {cpu(pooled)} vs direct {cpu(plain)} "
+            "(postgres: the benchmark database's backends, or the whole server's where they were not measured)"
         )
     return lines
 
