@@ -18,9 +18,10 @@ it waits, and the thread of its request goes back to the handler's idle ones
 import asyncio
 import logging
 import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 from asgiref.sync import sync_to_async
 from django.db import connection
@@ -83,6 +84,21 @@ class Answer:
         except KeyError:
             value = self._rendered[key] = render()
             return value
+
+
+class Watched(NamedTuple):
+    """What a wait on one object watches, the same for its DRF view and the hot path (``long_poll``'s arguments).
+
+    ``read`` returns ``(object, Answer)``; ``share`` names the watch (the object and what
+    ``read`` depends on), so the DRF view's waiters and the hot path's of the same object
+    share one watch, one re-read and one rendering per wake-up.
+    """
+
+    read: Callable[[], Any]
+    done: Callable[[Any], bool]
+    topics: list
+    share: Hashable
+    due_in_s: Callable[[Any], float | None] | None = None
 
 
 async def in_request[T](fn: Callable[..., T], *args, **kwargs) -> T:
@@ -231,6 +247,7 @@ async def long_poll[T](
     timeout_ms: int,
     due_in_s: Callable[[T], float | None] | None = None,
     share: Hashable | None = None,
+    first: Callable[[], Awaitable[T]] | None = None,
 ) -> T:
     """Call ``read`` until ``done(value)`` or ``timeout_ms`` passes; return the last value.
 
@@ -241,18 +258,25 @@ async def long_poll[T](
     then depend on nothing else than the key says), or its own without a key.
     ``due_in_s(value)``, when given, says when a time-based change is due (a timer), so the
     next re-read happens then rather than at the next recheck.
+
+    ``first``, when given, is the first read instead of ``read`` on the request's thread: a
+    coroutine on the event loop (the hot path's one statement on its async pool,
+    ``coordination/api/hot/waits.py``), with no connection or thread to give back before the
+    wait; the watch's re-reads are ``read``'s all the same. An exception it raises leaves
+    the watch, as any other.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
     watch = _join(share if share is not None else object(), read, topics, due_in_s)
     _parked.set(False)
     try:
-        value = await in_request(read)
+        value = await (in_request(read) if first is None else first())
         if done(value) or timeout_ms <= 0:
             return value
         watch.offer(value)
         logger.debug("watch %r: a waiter parked (%d waiting)", watch.key, watch.members)
-        await park()
+        if first is None:
+            await park()
         metrics.WAITERS_PARKED.inc()
         try:
             while True:
