@@ -24,11 +24,12 @@ from django.utils import timezone
 from coordination import metrics
 from coordination.api import hot, longpoll, waits
 from coordination.api.hot import db as hot_db
-from coordination.models import Event, Run, TaskGroup
+from coordination.models import Event, Run, Task, TaskGroup
 from coordination.services.barriers import barrier_arrive, barrier_create
-from coordination.services.claims import claim_complete
-from coordination.services.groups import group_verdict
+from coordination.services.claims import claim_complete, task_claim
+from coordination.services.groups import group_create, group_submit, group_verdict
 from coordination.services.keys import api_key_create
+from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.timers import timer_create
 from coordination.states import Permission, Verdict
@@ -61,6 +62,8 @@ class WaitState:
     open_member: str
     decided_group: str
     due_group: str
+    gate_inactive_group: str
+    busy_group: str
     waiting_barrier: str
     released_barrier: str
     cancelled_barrier: str
@@ -79,6 +82,13 @@ def fresh_wait_state() -> WaitState:
     due_group, _ = undecided_group(project)
     # Its deadline passed a moment ago (as if time went by): the wait's first read finalizes it.
     TaskGroup.objects.filter(id=due_group.id).update(deadline=timezone.now() - timedelta(seconds=1))
+    # Below a run whose deadline passed (as if time went by): its gate is inactive, so it is due.
+    parent = run_create(project_id=project.id, deadline=timezone.now() + timedelta(hours=1))
+    gate_inactive = group_create(
+        project_id=project.id, mailbox_name="reviews", condition="N_ACCEPTED", threshold=1, parent_scope_id=parent.id
+    )
+    Run.objects.filter(id=parent.id).update(deadline=timezone.now() - timedelta(seconds=1))
+    busy = _busy_group(project)
     waiting = barrier_create(project_id=project.id, run_id=run.id, target=2)
     released = barrier_create(project_id=project.id, run_id=run.id, target=1)
     barrier_arrive(project_id=project.id, barrier_id=released.id, key="a")
@@ -95,12 +105,28 @@ def fresh_wait_state() -> WaitState:
         open_member=str(open_member.id),
         decided_group=str(decided_group.id),
         due_group=str(due_group.id),
+        gate_inactive_group=str(gate_inactive.id),
+        busy_group=str(busy.id),
         waiting_barrier=str(waiting.id),
         released_barrier=str(released.id),
         cancelled_barrier=str(cancelled.id),
         armed_timer=str(armed.id),
         fired_timer=str(fired.id),
     )
+
+
+def _busy_group(project):
+    """An open group needing two accepts: four keyed members, two queued, one accepted, one rejected."""
+    mailbox, _ = mailbox_ensure(project_id=project.id, name="reviews", mode="WORK")
+    busy = group_create(project_id=project.id, mailbox_name="reviews", condition="N_ACCEPTED", threshold=2)
+    members = [group_submit(project_id=project.id, group_id=busy.id, input={"n": n}, key=f"k{n}")[0] for n in range(4)]
+    for claim in task_claim(project_id=project.id, mailbox=mailbox, run_id=busy.scope_id, max_claims=2):
+        claim_complete(project_id=project.id, claim_id=claim.claim_id, outcome={"n": 1})
+    done = [task for task in members if Task.objects.get(id=task.id).state == "SUCCEEDED"]
+    group_verdict(project_id=project.id, group_id=busy.id, task_id=done[0].id, verdict=Verdict.ACCEPTED)
+    group_verdict(project_id=project.id, group_id=busy.id, task_id=done[1].id, verdict=Verdict.REJECTED)
+    assert TaskGroup.objects.get(id=busy.id).state == "OPEN"
+    return busy
 
 
 def get(path: str, key: str | None, **kwargs) -> tuple:
@@ -150,6 +176,8 @@ CASES = {
     "group wait, timeout": lambda s: [group(s, s.open_group)],
     "group wait, no wait": lambda s: [group(s, s.open_group, "")],
     "group wait, past its deadline": lambda s: [group(s, s.due_group, "?timeoutMs=5000")],
+    "group wait, its gate inactive": lambda s: [group(s, s.gate_inactive_group, "?timeoutMs=5000")],
+    "group wait, members in every state (timeout)": lambda s: [group(s, s.busy_group)],
     "group wait, unknown group": lambda s: [group(s, UNKNOWN)],
     "group wait, foreign key": lambda s: [group(s, s.open_group, key=s.base.foreign_key)],
     "group wait, bound key": lambda s: [group(s, s.open_group, key=s.base.bound_key)],
@@ -187,6 +215,7 @@ SERVED_BY_HOT = {
     "group wait, decided before": 1,
     "group wait, timeout": 1,
     "group wait, no wait": 1,
+    "group wait, members in every state (timeout)": 1,
     "barrier wait, released before": 1,
     "barrier wait, timeout": 1,
     "barrier wait, cancelled": 1,  # BARRIER_CANCELLED from the hot path
