@@ -291,6 +291,16 @@ def event_list(
     transaction still running in this database), so a reader that follows the cursor never
     skips an event.
     """
+    _parse_event_cursor(after)  # a malformed cursor is refused before an unknown run
+    run_path = run_get(visibility, run_id).path if run_id is not None else None
+    events = list(event_list_query(visibility, after=after, types=types, run_path=run_path, limit=limit))
+    return events, event_page_cursor(events, after)
+
+
+def event_list_query(
+    visibility: Visibility, *, after: str | None, types: Iterable[str], run_path: str | None, limit: int
+) -> QuerySet[Event]:
+    """Return the query of ``event_list`` with the run's path already found (the hot path runs it on its pool)."""
     txid, event_id = _parse_event_cursor(after)
     queryset = Event.objects.filter(project_id=visibility.project_id).filter(
         Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id)
@@ -301,11 +311,14 @@ def event_list(
         queryset = queryset.filter(type__in=types)
     if visibility.bound_path is not None:
         queryset = queryset.filter(run_path__startswith=visibility.bound_path)
-    if run_id is not None:
-        queryset = queryset.filter(run_path__startswith=run_get(visibility, run_id).path)
-    events = list(queryset.order_by("txid", "id")[:limit])
-    next_cursor = event_cursor(events[-1]) if events else (after or EVENT_CURSOR_START)
-    return events, next_cursor
+    if run_path is not None:
+        queryset = queryset.filter(run_path__startswith=run_path)
+    return queryset.order_by("txid", "id")[:limit]
+
+
+def event_page_cursor(events: list[Event], after: str | None) -> str:
+    """Return the cursor a reader continues from after the page ``events`` read after ``after``."""
+    return event_cursor(events[-1]) if events else (after or EVENT_CURSOR_START)
 
 
 def event_head(visibility: Visibility) -> str:

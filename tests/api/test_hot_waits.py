@@ -13,6 +13,7 @@ leaves nothing behind.
 import asyncio
 import json
 import random
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,16 +22,18 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from coordination import metrics
+from coordination import metrics, selectors
 from coordination.api import hot, longpoll, waits
 from coordination.api.hot import db as hot_db
 from coordination.models import Event, Run, Task, TaskGroup
+from coordination.selectors import Visibility
 from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.groups import group_create, group_submit, group_verdict
 from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
+from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
 from coordination.states import Permission, Verdict
 from tests.api.test_hot_path import (
@@ -517,3 +520,113 @@ def test_the_hot_path_steps_aside_while_the_process_traces(api_process):  # noqa
         reset_tracing_globals()
     assert [status for status, _, _ in answers] == [200]
     assert served == 0
+
+
+# The event long-poll: GET /v1/events (waitMs). Its cursors ("<txid>-<id>"), and the times and
+# lateness in its events' data, differ between two fresh states by construction, as ids do.
+_EVENT_VALUES = [
+    (re.compile(rb'"\d+-\d+"'), b'"<cursor>"'),
+    (re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00"), b"<time>"),
+    (re.compile(rb'"lateMs":\d+'), b'"lateMs":<ms>'),
+]
+_PAST_THE_END = "9223372036854775807-0"
+
+
+def cursors_hidden(answers: list[tuple]) -> list[tuple]:
+    """Return normalized answers with the event values that differ by construction replaced."""
+    hidden = []
+    for status, body, headers in answers:
+        for pattern, placeholder in _EVENT_VALUES:
+            body = pattern.sub(placeholder, body)
+        hidden.append((status, body, headers))
+    return hidden
+
+
+def page(s: WaitState, query: str = "", key=None):
+    return get(f"/v1/events{query}", key or s.base.key)
+
+
+EVENT_CASES = {
+    "events": lambda s: [page(s)],
+    "events, some types": lambda s: [page(s, "?types=task.submitted,barrier.created&limit=3")],
+    "events, after the start": lambda s: [page(s, "?after=0-0&limit=2")],
+    "events of a run": lambda s: [page(s, f"?runId={s.base.run_id}&limit=5")],
+    "events, nothing new (timeout)": lambda s: [page(s, f"?after={_PAST_THE_END}&waitMs=30")],
+    "events, a foreign key": lambda s: [page(s, key=s.base.foreign_key)],
+    "events, a read-only key": lambda s: [page(s, "?limit=1", key=s.base.read_only_key)],
+    "events, malformed cursor": lambda s: [page(s, "?after=nonsense")],
+    "events, malformed cursor and waitMs": lambda s: [page(s, "?after=1-x&waitMs=1000")],
+    "events, unknown run": lambda s: [page(s, f"?runId={UNKNOWN}")],
+    "events, foreign run": lambda s: [page(s, f"?runId={s.base.foreign_run_id}")],
+    "events, limit 0": lambda s: [page(s, "?limit=0")],
+    "events, negative waitMs": lambda s: [page(s, "?waitMs=-1")],
+    "events, bound key": lambda s: [page(s, key=s.base.bound_key)],
+    "events, uncached key": lambda s: [page(s, key=s.uncached_key)],
+}
+EVENTS_SERVED_BY_HOT = {
+    "events": 1,
+    "events, some types": 1,
+    "events, after the start": 1,
+    "events of a run": 1,
+    "events, nothing new (timeout)": 1,
+    "events, a foreign key": 1,
+    "events, a read-only key": 1,
+    "events, malformed cursor": 1,  # VALIDATION_ERROR from the hot path
+    "events, malformed cursor and waitMs": 1,
+}
+
+
+@pytest.mark.parametrize("case", list(EVENT_CASES))
+def test_the_hot_event_long_poll_answers_what_drf_answers(api_process, case):  # noqa: F811
+    hot_answers, hot_served = answered(api_process, True, EVENT_CASES[case], fresh_wait_state)
+    drf_answers, drf_served = answered(api_process, False, EVENT_CASES[case], fresh_wait_state)
+    assert cursors_hidden(hot_answers) == cursors_hidden(drf_answers)
+    assert drf_served == 0
+    assert hot_served == EVENTS_SERVED_BY_HOT.get(case, 0), "the hot path did not answer what it serves"
+
+
+def events_while_waiting(settings, hot_on: bool) -> tuple[list[tuple], int]:
+    """Two readers wait at the head of the log (a cached key's, an uncached key's); a submit wakes them."""
+    settings.RUNSTATE_HOT_PATH = hot_on
+    caches_on(settings)
+    state = fresh_wait_state()
+    visibility = Visibility(project_id=state.project_id)
+    path = f"/v1/events?after={selectors.event_head(visibility)}&waitMs=20000&types=task.submitted"
+    run = Run.objects.get(id=state.base.run_id)
+    mailbox = mailbox_ensure(project_id=state.project_id, name="work", mode="WORK")[0]
+    served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful"))
+    parked = _parked()
+
+    async def run_():
+        from runstate_project.asgi import application
+
+        transport = httpx.ASGITransport(app=application)
+        await (await hot_db.pool()).wait(timeout=30)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
+                sent = [
+                    asyncio.ensure_future(client.get(path, headers={"Authorization": f"Bearer {key}"}))
+                    for key in (state.base.key, state.uncached_key)
+                ]
+                await _until(lambda: _parked() == parked + 2 or any(s.done() for s in sent), "two readers parked")
+                assert not any(s.done() for s in sent), [s.result() for s in sent if s.done()]
+                await longpoll.db(
+                    task_submit, project_id=state.project_id, mailbox=mailbox, run_id=run.id, input={"new": 1}
+                )
+                return await asyncio.gather(*sent)
+        finally:
+            await hot_db.close()
+
+    answers = asyncio.run(run_())
+    served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful")) - served
+    return cursors_hidden(normalized(answers)), served
+
+
+def test_an_event_long_poll_woken_by_an_event_is_answered_alike(api_process):  # noqa: F811
+    hot_answers, hot_served = events_while_waiting(api_process, True)
+    drf_answers, drf_served = events_while_waiting(api_process, False)
+    assert hot_answers == drf_answers
+    assert (hot_served, drf_served) == (1, 0)
+    assert {status for status, _, _ in hot_answers} == {200}
+    # Each reader got the one new event.
+    assert [[e["type"] for e in json.loads(body)["events"]] for _, body, _ in hot_answers] == [["task.submitted"]] * 2

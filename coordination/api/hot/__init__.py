@@ -84,7 +84,7 @@ from coordination.tracing import TraceContext, tracing_on
 # anything): tests read it.
 SERVED: Counter = Counter()
 ENDPOINTS: dict[type, Endpoint] = {**endpoints.ENDPOINTS, **waits.ENDPOINTS}
-_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch", "/result", "/wait")
+_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch", "/result", "/wait", "/events")
 _METHODS = {endpoint.method for endpoint in ENDPOINTS.values()}
 _PLAIN_ACCEPT = {b"", b"*/*", b"application/json"}
 _renderer = JSONRenderer()

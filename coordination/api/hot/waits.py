@@ -20,6 +20,7 @@ has fired or is due (acknowledging it is a write) or was cancelled.
 
 from django.utils import timezone
 from rest_framework.renderers import JSONRenderer
+from rest_framework.response import Response
 
 from coordination import exceptions, selectors
 from coordination.api import serializers as s
@@ -28,9 +29,9 @@ from coordination.api.hot import db
 from coordination.api.hot.endpoints import Call, Endpoint, Hop, mailbox_name
 from coordination.api.longpoll import Answer, Watched, long_poll
 from coordination.api.presenters import present_barrier, present_group, present_task, present_timer
-from coordination.api.views import clock, groups, work
+from coordination.api.views import clock, events, groups, work
 from coordination.api.views.base import shared_response
-from coordination.models import Barrier, Task, Timer
+from coordination.models import Barrier, Event, Task, Timer
 from coordination.services import sql
 from coordination.states import TimerState
 
@@ -47,6 +48,7 @@ class Wait(Endpoint):
     serializer = s.WaitQuery
     method = "GET"
     waits = True
+    wait_field = "timeoutMs"  # the query's field saying how long it may wait
     model: type  # the object waited on
     wait: str  # its label in ``runstate_wait_answers_rendered_total``
     argument: str  # the route's argument naming it
@@ -78,10 +80,10 @@ class Wait(Endpoint):
         """Raise the view's refusal of a finished wait's object, if any."""
 
     async def answer(self, call, hop):  # noqa: D102
-        timeout_ms = call.data["timeoutMs"]
+        timeout_ms = call.data[self.wait_field]
         place = waits.wait_take(api_key_id=call.api_key.id) if timeout_ms > 0 else None
         try:
-            found, answer = await long_poll(
+            value = await long_poll(
                 **self.watched(call)._asdict(),
                 timeout_ms=s.clamp_wait_ms(timeout_ms),
                 first=lambda: self.first(call, hop),
@@ -91,6 +93,11 @@ class Wait(Endpoint):
         finally:
             if place is not None:
                 place.release()
+        return self.respond(call, value)
+
+    def respond(self, call: Call, value) -> object:
+        """Answer with the read's ``Answer``, rendered once for every waiter it answers (after the view's check)."""
+        found, answer = value
         self.check(found)
         return shared_response(
             answer, wait=self.wait, status=200, renderer=_renderer, media_type=_renderer.media_type, context={}
@@ -165,6 +172,41 @@ class TimerWait(Wait):
         return present_timer(found)
 
 
+class EventList(Wait):
+    """``GET /v1/events``, which may wait (``waitMs``): a page of the event log, each waiter on a watch of its own."""
+
+    view, serializer, wait_field = events.EventListView, s.EventListQuery, "waitMs"
+
+    def accepts(self, call):  # noqa: D102 - a run the process has not seen, or cannot show: the view
+        if call.data.get("runId") is None:
+            return True
+        try:
+            run = selectors.run_ref(call.visibility, call.data["runId"], cached_only=True)
+        except exceptions.NotFound:
+            return False
+        call.target = None if run is None else run.path
+        return run is not None
+
+    def watched(self, call):  # noqa: D102
+        return events.event_page_watched(call.visibility, call.data)
+
+    async def first(self, call, hop):  # noqa: D102
+        query = call.data
+        page = selectors.event_list_query(
+            call.visibility,
+            after=query.get("after"),
+            types=events.event_page_types(query),
+            run_path=call.target,
+            limit=query["limit"],
+        )
+        statement, params = page.query.sql_with_params()
+        found = [event for (event,) in sql.models_from_rows(Event, await db.fetch(statement, params))]
+        return found, selectors.event_page_cursor(found, query.get("after"))
+
+    def respond(self, call, value):  # noqa: D102
+        return Response(events.present_page(call.visibility, *value))
+
+
 ENDPOINTS: dict[type, Endpoint] = {
-    endpoint.view: endpoint for endpoint in (TaskResult(), GroupWait(), BarrierWait(), TimerWait())
+    endpoint.view: endpoint for endpoint in (TaskResult(), GroupWait(), BarrierWait(), TimerWait(), EventList())
 }
