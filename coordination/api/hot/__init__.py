@@ -5,12 +5,12 @@ application. It serves, on PostgreSQL, ``POST /v1/claims/{id}/complete|fail|rele
 and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``,
 and the batch forms ``POST /v1/claims/complete|renew`` and
 ``POST /v1/mailboxes/{name}/tasks/batch`` (``endpoints``); and the waits
-``GET /v1/tasks/{id}/result``, ``GET /v1/groups/{id}/wait``, ``GET /v1/barriers/{id}/wait``
-and ``POST /v1/timers/{id}/wait`` (``waits``: the query checked by ``WaitQuery``'s fields, a
-place among the key's waits, the first read one statement, and a wait parked on the event
-loop on the watch the view's waiters use, answered with the bytes rendered once for every
-waiter of the same read; the client going away cancels it, as Django's handler cancels an
-async view). For each request:
+``GET /v1/tasks/{id}/result``, ``GET /v1/groups/{id}/wait``, ``GET /v1/barriers/{id}/wait``,
+``POST /v1/timers/{id}/wait`` and the event long-poll ``GET /v1/events`` (``waits``: the
+query checked by its serializer's fields, a place among the key's waits, the first read one
+statement, and a wait parked on the event loop on the watch the view's waiters use,
+answered with the bytes rendered once for every waiter of the same read; the client going
+away cancels it, as Django's handler cancels an async view). For each request:
 
 1. the route is Django's own (``resolve``), and the key is the process cache's
    (``api_key_authenticate(cached_only=True)``) with the permission the view needs;

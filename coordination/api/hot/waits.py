@@ -1,14 +1,16 @@
-"""The waits the hot path serves: a task's result, a group, a barrier and a timer.
+"""The waits the hot path serves: a task's result, a group, a barrier, a timer, and the event long-poll.
 
 ``GET /v1/tasks/{id}/result``, ``GET /v1/groups/{id}/wait``, ``GET /v1/barriers/{id}/wait``
-and ``POST /v1/timers/{id}/wait``. Each takes what its view takes before it waits: the
-query (``?timeoutMs=``, checked by ``WaitQuery``'s fields) and a place among its key's waits
-(``waits.wait_take``: ``429`` beyond ``RUNSTATE_MAX_WAITS_PER_KEY``). Its first read is one
-statement on the hot pool (``selectors.row_statement``, ``selectors.GROUP_WAIT_SQL``); an
-object already decided is answered at once. Otherwise the request waits on the *watch* its
-view's waiters use (``longpoll.long_poll`` with the view's own ``Watched``: the same share
-key, so the view's waiters and the hot path's of one object share one subscription, one
-re-read per wake-up and one rendering), parked on the event loop with no thread and no
+and ``POST /v1/timers/{id}/wait``; and ``GET /v1/events`` (``EventList``: a page of the log
+by ``event_list``'s own query, each waiter on a watch of its own, as with its view). Each
+takes what its view takes before it waits: the query (``?timeoutMs=`` / ``?waitMs=``, checked
+by its serializer's fields) and a place among its key's waits (``waits.wait_take``: ``429``
+beyond ``RUNSTATE_MAX_WAITS_PER_KEY``). Its first read is one statement on the hot pool
+(``selectors.row_statement``, ``selectors.GROUP_WAIT_SQL``, ``selectors.event_list_query``);
+an object already decided is answered at once. Otherwise the request waits on the *watch*
+its view's waiters use (``longpoll.long_poll`` with the view's own ``Watched``: the same
+share key, so the view's waiters and the hot path's of one object share one subscription,
+one re-read per wake-up and one rendering), parked on the event loop with no thread and no
 connection. Its answer is the rendering kept on the read's ``Answer``
 (``views.base.shared_response``): the same bytes as every other waiter the read answers.
 
