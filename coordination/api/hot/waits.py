@@ -66,9 +66,13 @@ class Wait(Endpoint):
         """Return what the view's waiters of the object watch."""
         raise NotImplementedError
 
-    async def first(self, call: Call, hop: Hop) -> tuple[object, Answer]:
-        """Read the object in one statement; return ``(object, Answer)`` as the view's read would, else ``_Careful``."""
-        rows = await db.fetch(*selectors.row_statement(self.model, project_id=call.project_id, object_id=call.target))
+    async def first(self, call: Call, hop: Hop, sent) -> tuple[object, Answer]:
+        """Read the object in one statement; return ``(object, Answer)`` as the view's read would, else ``_Careful``.
+
+        ``sent``: for ``db.fetch`` (waiters joining before it is called share this read).
+        """
+        statement, params = selectors.row_statement(self.model, project_id=call.project_id, object_id=call.target)
+        rows = await db.fetch(statement, params, sent=sent)
         if not rows:
             raise _Careful()
         found = sql.models_from_rows(self.model, rows)[0][0]
@@ -88,7 +92,7 @@ class Wait(Endpoint):
             value = await long_poll(
                 **self.watched(call)._asdict(),
                 timeout_ms=s.clamp_wait_ms(timeout_ms),
-                first=lambda: self.first(call, hop),
+                first=lambda sent: self.first(call, hop, sent),
             )
         except _Careful:
             return None
@@ -126,9 +130,10 @@ class GroupWait(Wait):
     def watched(self, call):  # noqa: D102
         return groups.group_watched(call.visibility, call.target)
 
-    async def first(self, call, hop):  # noqa: D102
+    async def first(self, call, hop, sent):  # noqa: D102
         now = timezone.now()
-        rows = await db.fetch(selectors.GROUP_WAIT_SQL, {"project_id": call.project_id, "id": call.target, "now": now})
+        params = {"project_id": call.project_id, "id": call.target, "now": now}
+        rows = await db.fetch(selectors.GROUP_WAIT_SQL, params, sent=sent)
         if not rows:
             raise _Careful()
         group, gate_active, members = selectors.group_from_wait_row(rows[0])
@@ -161,8 +166,8 @@ class TimerWait(Wait):
     def watched(self, call):  # noqa: D102
         return clock.timer_watched(call.visibility, call.target)
 
-    async def first(self, call, hop):  # noqa: D102
-        timer, answer = await super().first(call, hop)
+    async def first(self, call, hop, sent):  # noqa: D102
+        timer, answer = await super().first(call, hop, sent)
         unchanged = timer.state == TimerState.ACKNOWLEDGED or (
             timer.state == TimerState.ARMED and timer.fire_at > timezone.now()
         )
@@ -192,7 +197,7 @@ class EventList(Wait):
     def watched(self, call):  # noqa: D102
         return events.event_page_watched(call.visibility, call.data)
 
-    async def first(self, call, hop):  # noqa: D102
+    async def first(self, call, hop, sent):  # noqa: D102
         query = call.data
         page = selectors.event_list_query(
             call.visibility,
@@ -202,7 +207,7 @@ class EventList(Wait):
             limit=query["limit"],
         )
         statement, params = page.query.sql_with_params()
-        found = [event for (event,) in sql.models_from_rows(Event, await db.fetch(statement, params))]
+        found = [event for (event,) in sql.models_from_rows(Event, await db.fetch(statement, params, sent=sent))]
         return found, selectors.event_page_cursor(found, query.get("after"))
 
     def respond(self, call, value):  # noqa: D102
