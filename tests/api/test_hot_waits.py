@@ -630,3 +630,41 @@ def test_an_event_long_poll_woken_by_an_event_is_answered_alike(api_process):  #
     assert {status for status, _, _ in hot_answers} == {200}
     # Each reader got the one new event.
     assert [[e["type"] for e in json.loads(body)["events"]] for _, body, _ in hot_answers] == [["task.submitted"]] * 2
+
+
+def test_waiters_joining_before_the_first_read_is_sent_share_it(api_process, monkeypatch):  # noqa: F811
+    """Twenty waits on one group that join while the first read waits for a connection cost one statement."""
+    api_process.RUNSTATE_HOT_POOL_SIZE = 1
+    monkeypatch.setattr(hot_db, "READY_GRACE_S", 30.0)  # the connection is held on purpose below
+    state = fresh_wait_state()
+    statements = []
+    fetch = hot_db.fetch
+
+    async def counted(statement, params, **kwargs):
+        statements.append(statement)
+        return await fetch(statement, params, **kwargs)
+
+    monkeypatch.setattr(hot_db, "fetch", counted)
+    path = f"/v1/groups/{state.open_group}/wait?timeoutMs=1"
+    headers = {"Authorization": f"Bearer {state.base.key}"}
+
+    async def run():
+        from runstate_project.asgi import application
+
+        transport = httpx.ASGITransport(app=application)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
+                async with (await hot_db.pool()).connection():  # the pool's only connection, held
+                    sent = [asyncio.ensure_future(client.get(path, headers=headers)) for _ in range(20)]
+                    members = lambda: sum(w.members for w in longpoll.watches().values())  # noqa: E731
+                    await _until(lambda: members() == 20, "twenty waiters joined")
+                return await asyncio.gather(*sent)
+        finally:
+            await hot_db.close()
+
+    served = hot.SERVED["GroupWait"]
+    answers = asyncio.run(run())
+    assert [answer.status_code for answer in answers] == [200] * 20
+    assert {answer.json()["state"] for answer in answers} == {"OPEN"}
+    assert hot.SERVED["GroupWait"] == served + 20
+    assert statements == [selectors.GROUP_WAIT_SQL]
