@@ -11,6 +11,7 @@ leaves nothing behind.
 """
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -249,6 +250,25 @@ def test_rate_limited_waits_are_answered_alike(api_process):  # noqa: F811
     assert hot_served == 3
 
 
+def _served() -> int:
+    """Return how many requests the hot path has answered itself in this process."""
+    return sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful"))
+
+
+@contextlib.asynccontextmanager
+async def app_client():
+    """An HTTP client of the ASGI application on this loop, the hot pool open (closed after)."""
+    from runstate_project.asgi import application
+
+    await (await hot_db.pool()).wait(timeout=30)
+    try:
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
+            yield client
+    finally:
+        await hot_db.close()
+
+
 def _parked() -> float:
     return metrics.WAITERS_PARKED._value.get()
 
@@ -327,31 +347,24 @@ def answered_while_waiting(settings, hot_on: bool, scenario) -> tuple[list[tuple
     label, (path, body, headers, *method), decide = scenario(state)
     other = dict(headers, Authorization=f"Bearer {state.uncached_key}")
     method = method[0] if method else "POST"
-    served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful"))
+    served = _served()
     parked, rendered = _parked(), _rendered(label)
 
     async def run():
-        from runstate_project.asgi import application
-
-        transport = httpx.ASGITransport(app=application)
-        await (await hot_db.pool()).wait(timeout=30)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-                sent = [
-                    asyncio.ensure_future(client.request(method, path, content=body, headers=each))
-                    for each in (headers, headers, other)
-                ]
-                await _until(lambda: _parked() == parked + 3 or any(s.done() for s in sent), "three waiters parked")
-                assert not any(s.done() for s in sent), [s.result() for s in sent if s.done()]
-                if decide is not None:
-                    await longpoll.db(decide)
-                return await asyncio.gather(*sent)
-        finally:
-            await hot_db.close()
+        async with app_client() as client:
+            sent = [
+                asyncio.ensure_future(client.request(method, path, content=body, headers=each))
+                for each in (headers, headers, other)
+            ]
+            await _until(lambda: _parked() == parked + 3 or any(s.done() for s in sent), "three waiters parked")
+            assert not any(s.done() for s in sent), [s.result() for s in sent if s.done()]
+            if decide is not None:
+                await longpoll.db(decide)
+            return await asyncio.gather(*sent)
 
     answers = asyncio.run(run())
     assert _parked() == parked
-    served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful")) - served
+    served = _served() - served
     return normalized(answers), served, _rendered(label) - rendered
 
 
@@ -380,20 +393,13 @@ def test_the_waits_cap_is_the_views(api_process):  # noqa: F811
         path, _, headers, _ = group(state, state.open_group, "?timeoutMs=20000")
 
         async def run():
-            from runstate_project.asgi import application
-
-            transport = httpx.ASGITransport(app=application)
-            await (await hot_db.pool()).wait(timeout=30)
             parked = _parked()
-            try:
-                async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-                    first = asyncio.ensure_future(client.get(path, headers=headers))
-                    await _until(lambda: _parked() == parked + 1, "the first waiter parked")
-                    second = await client.get(path, headers=headers)
-                    first.cancel()
-                    return second
-            finally:
-                await hot_db.close()
+            async with app_client() as client:
+                first = asyncio.ensure_future(client.get(path, headers=headers))
+                await _until(lambda: _parked() == parked + 1, "the first waiter parked")
+                second = await client.get(path, headers=headers)
+                first.cancel()
+                return second
 
         return normalized([asyncio.run(run())])[0]
 
@@ -462,31 +468,24 @@ def test_waiters_racing_a_decision_each_get_it_once(api_process, round_):  # noq
     decide_after = rng.randrange(waiters)
 
     async def run():
-        from runstate_project.asgi import application
-
-        transport = httpx.ASGITransport(app=application)
-        await (await hot_db.pool()).wait(timeout=30)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-                sent, deciding = [], None
-                for n in range(waiters):
-                    if n == decide_after:
-                        deciding = asyncio.ensure_future(
-                            longpoll.db(
-                                group_verdict,
-                                project_id=state.project_id,
-                                group_id=state.open_group,
-                                task_id=state.open_member,
-                                verdict=Verdict.ACCEPTED,
-                            )
+        async with app_client() as client:
+            sent, deciding = [], None
+            for n in range(waiters):
+                if n == decide_after:
+                    deciding = asyncio.ensure_future(
+                        longpoll.db(
+                            group_verdict,
+                            project_id=state.project_id,
+                            group_id=state.open_group,
+                            task_id=state.open_member,
+                            verdict=Verdict.ACCEPTED,
                         )
-                    headers = {"Authorization": f"Bearer {keys[n % len(keys)]}"}
-                    sent.append(asyncio.ensure_future(client.get(path, headers=headers)))
-                    await asyncio.sleep(rng.random() / 100)
-                await deciding
-                return await asyncio.gather(*sent)
-        finally:
-            await hot_db.close()
+                    )
+                headers = {"Authorization": f"Bearer {keys[n % len(keys)]}"}
+                sent.append(asyncio.ensure_future(client.get(path, headers=headers)))
+                await asyncio.sleep(rng.random() / 100)
+            await deciding
+            return await asyncio.gather(*sent)
 
     parked = _parked()
     answers = asyncio.run(run())
@@ -594,31 +593,24 @@ def events_while_waiting(settings, hot_on: bool) -> tuple[list[tuple], int]:
     path = f"/v1/events?after={selectors.event_head(visibility)}&waitMs=20000&types=task.submitted"
     run = Run.objects.get(id=state.base.run_id)
     mailbox = mailbox_ensure(project_id=state.project_id, name="work", mode="WORK")[0]
-    served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful"))
+    served = _served()
     parked = _parked()
 
     async def run_():
-        from runstate_project.asgi import application
-
-        transport = httpx.ASGITransport(app=application)
-        await (await hot_db.pool()).wait(timeout=30)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-                sent = [
-                    asyncio.ensure_future(client.get(path, headers={"Authorization": f"Bearer {key}"}))
-                    for key in (state.base.key, state.uncached_key)
-                ]
-                await _until(lambda: _parked() == parked + 2 or any(s.done() for s in sent), "two readers parked")
-                assert not any(s.done() for s in sent), [s.result() for s in sent if s.done()]
-                await longpoll.db(
-                    task_submit, project_id=state.project_id, mailbox=mailbox, run_id=run.id, input={"new": 1}
-                )
-                return await asyncio.gather(*sent)
-        finally:
-            await hot_db.close()
+        async with app_client() as client:
+            sent = [
+                asyncio.ensure_future(client.get(path, headers={"Authorization": f"Bearer {key}"}))
+                for key in (state.base.key, state.uncached_key)
+            ]
+            await _until(lambda: _parked() == parked + 2 or any(s.done() for s in sent), "two readers parked")
+            assert not any(s.done() for s in sent), [s.result() for s in sent if s.done()]
+            await longpoll.db(
+                task_submit, project_id=state.project_id, mailbox=mailbox, run_id=run.id, input={"new": 1}
+            )
+            return await asyncio.gather(*sent)
 
     answers = asyncio.run(run_())
-    served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful")) - served
+    served = _served() - served
     return cursors_hidden(normalized(answers)), served
 
 
@@ -649,18 +641,12 @@ def test_waiters_joining_before_the_first_read_is_sent_share_it(api_process, mon
     headers = {"Authorization": f"Bearer {state.base.key}"}
 
     async def run():
-        from runstate_project.asgi import application
-
-        transport = httpx.ASGITransport(app=application)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-                async with (await hot_db.pool()).connection():  # the pool's only connection, held
-                    sent = [asyncio.ensure_future(client.get(path, headers=headers)) for _ in range(20)]
-                    members = lambda: sum(w.members for w in longpoll.watches().values())  # noqa: E731
-                    await _until(lambda: members() == 20, "twenty waiters joined")
-                return await asyncio.gather(*sent)
-        finally:
-            await hot_db.close()
+        async with app_client() as client:
+            async with (await hot_db.pool()).connection():  # the pool's only connection, held
+                sent = [asyncio.ensure_future(client.get(path, headers=headers)) for _ in range(20)]
+                members = lambda: sum(w.members for w in longpoll.watches().values())  # noqa: E731
+                await _until(lambda: members() == 20, "twenty waiters joined")
+            return await asyncio.gather(*sent)
 
     served = hot.SERVED["GroupWait"]
     answers = asyncio.run(run())
