@@ -8,7 +8,12 @@ deciding commit to each answer; target p99 under 100 ms). Run: ``.venv/bin/pytho
 
 ``--json PATH`` writes the figures: ``verdict_p99_ms_service``, ``verdict_p99_ms_http``,
 ``finalized_count`` (``group.finalized`` events per verdict group: 1 is right; see
-``verdict_figures``), ``group_wait_p99_ms`` and ``barrier_wait_p99_ms``. ``--no-waiters``
+``verdict_figures``), ``group_wait_p99_ms`` and ``barrier_wait_p99_ms``, and
+``group_wait_server_cpu_ms_per_answer`` / ``barrier_wait_server_cpu_ms_per_answer`` (the two
+servers' CPU from just before the decision to the last answer, per released wait: the figure
+another process's load moves least) and ``group_wait_park_cpu_ms_per_wait`` /
+``barrier_wait_park_cpu_ms_per_wait`` (their CPU to take the waits in: each wait's first
+read and parking, until the servers go quiet). ``--no-waiters``
 measures the verdicts only, ``--no-verdicts`` the waiters only.
 """
 
@@ -172,23 +177,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_idle(pids: list[int], timeout_s: float = 20.0) -> None:
-    """Return once the processes used under 50 ms of CPU each in a second, twice in a row (at most ``timeout_s``)."""
+def wait_idle(pids: list[int], timeout_s: float = 20.0) -> float:
+    """Return once the processes used under 50 ms of CPU each in a second, twice in a row (at most ``timeout_s``).
+
+    Return the CPU seconds they had used (together) when they went quiet.
+    """
     deadline = time.monotonic() + timeout_s
     quiet = 0
     before = [cpu_seconds(pid) for pid in pids]
+    went_quiet = sum(before)
     while quiet < 2 and time.monotonic() < deadline:
         time.sleep(1)
         after = [cpu_seconds(pid) for pid in pids]
-        quiet = quiet + 1 if all(b - a < 0.05 for a, b in zip(before, after, strict=True)) else 0
+        if all(b - a < 0.05 for a, b in zip(before, after, strict=True)):
+            went_quiet = sum(before) if quiet == 0 else went_quiet
+            quiet += 1
+        else:
+            quiet = 0
         before = after
+    return went_quiet
 
 
 async def _waiters(
     servers: list[UvicornServer], token: str, path: str, count: int, decided, decide, profile_to=None
-) -> tuple[list[float], list[int]]:
+) -> tuple[list[float], list[int], float, float]:
     """Park ``count`` GETs of ``path`` over ``servers`` (round robin), then ``decide()``; return
-    each decided answer's delay after the deciding commit (s) and every status. With
+    each decided answer's delay after the deciding commit (s), every status, the CPU seconds
+    the servers used to take the waits in (from the first until they went quiet: each wait's
+    first read and parking), and from just before the decision to the last answer. With
     ``profile_to`` (a path per server), py-spy records each server from just before the
     decision for 6 s (``--nonblocking``: it never pauses them).
     """
@@ -208,10 +224,18 @@ async def _waiters(
         if status == 200 and decided(json.loads(body)):
             done_at.append(at)
 
+    # A key in use is in each process's cache, which is what the hot path serves (issue 27). A
+    # new key's first request records its use, so each process forgets it, and a later one
+    # caches it again: warm every process first, so that the waits measure a key in use.
+    for host, port in addresses:
+        for _ in range(3):
+            await _get_once(host, int(port), path.replace("timeoutMs=30000", "timeoutMs=0"), token)
+            await asyncio.sleep(0.2)
+    cpu_start = sum(cpu_seconds(pid) for pid in pids)
     tasks = [asyncio.create_task(wait_one(i)) for i in range(count)]
     # Let every waiter connect and park: the servers go idle once each has read once.
     await asyncio.sleep(2)
-    await asyncio.get_running_loop().run_in_executor(None, wait_idle, pids)
+    parking_cpu = await asyncio.get_running_loop().run_in_executor(None, wait_idle, pids) - cpu_start
     profilers = [
         subprocess.Popen(
             [PY_SPY, "record", "--nonblocking", "-r", "250", "-f", "raw", "-d", "6", "-p", str(pid), "-o", out],
@@ -225,27 +249,41 @@ async def _waiters(
     early = sum(task.done() for task in tasks)
     if early:
         print(f"  {early} waits were answered before the decision")
+    cpu_before = sum(cpu_seconds(pid) for pid in pids)
     decided_at = await asyncio.get_running_loop().run_in_executor(None, decide)
     await asyncio.gather(*tasks)
+    cpu = sum(cpu_seconds(pid) for pid in pids) - cpu_before
     for profiler in profilers:
         await asyncio.get_running_loop().run_in_executor(None, profiler.wait)
-    return [t - decided_at for t in done_at], statuses
+    return [t - decided_at for t in done_at], statuses, parking_cpu, cpu
 
 
-def _report(what: str, count: int, release: list[float], statuses: list[int]) -> float:
+def _report(
+    what: str, count: int, release: list[float], statuses: list[int], parking_cpu_s: float, cpu_s: float
+) -> tuple[float, float, float]:
+    """Print the release figures; return p99 (ms) and the servers' CPU per parked and per released wait (ms)."""
     errors = {s: statuses.count(s) for s in set(statuses) if s != 200}
     p99 = percentile(release, 0.99) * 1000
+    cpu_per_wait = parking_cpu_s * 1000 / count
+    cpu_per_answer = cpu_s * 1000 / max(len(release), 1)
     print(
         f"HTTP: {count} concurrent {what} over two API processes: {len(release)} released by the decision, "
         f"other answers {errors or 'none'}; release latency after the commit "
         f"p50 {percentile(release, 0.5) * 1000:.0f} ms, p99 {p99:.0f} ms, "
-        f"max {max(release, default=0) * 1000:.0f} ms (target p99 < 100 ms)"
+        f"max {max(release, default=0) * 1000:.0f} ms (target p99 < 100 ms); the servers' CPU to take "
+        f"the waits in {parking_cpu_s * 1000:.0f} ms ({cpu_per_wait:.2f} ms per wait), from the decision "
+        f"to the last answer {cpu_s * 1000:.0f} ms ({cpu_per_answer:.2f} ms per answer)"
     )
-    return p99
+    return p99, cpu_per_wait, cpu_per_answer
 
 
-def _release(servers, token: str, what: str, path: str, count: int, decided, change, profile) -> float:
-    """Park ``count`` waits of ``path``, release them with ``change()`` (committed on return); return p99 (ms)."""
+def _release(
+    servers, token: str, what: str, path: str, count: int, decided, change, profile
+) -> tuple[float, float, float]:
+    """Park ``count`` waits of ``path``, release them with ``change()`` (committed on return).
+
+    Return p99 (ms) and the servers' CPU per parked and per released wait (ms).
+    """
     from django.db import connection
 
     def decide() -> float:
@@ -256,12 +294,16 @@ def _release(servers, token: str, what: str, path: str, count: int, decided, cha
             connection.close()
 
     profile_to = [f"{profile}-{what}-{i}.raw" for i in range(len(servers))] if profile else None
-    release, statuses = asyncio.run(_waiters(servers, token, path, count, decided, decide, profile_to))
-    return _report(f"{what} waits", count, release, statuses)
+    release, statuses, parking_cpu_s, cpu_s = asyncio.run(
+        _waiters(servers, token, path, count, decided, decide, profile_to)
+    )
+    return _report(f"{what} waits", count, release, statuses, parking_cpu_s, cpu_s)
 
 
-def http_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
-    """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 (ms)."""
+def http_waiters(
+    servers: list[UvicornServer], key: dict, count: int, profile: str | None = None
+) -> tuple[float, float, float]:
+    """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 and CPU (ms)."""
     from coordination.services.groups import group_verdict
     from coordination.states import Verdict
 
@@ -278,8 +320,10 @@ def http_waiters(servers: list[UvicornServer], key: dict, count: int, profile: s
     )
 
 
-def http_barrier_waiters(servers: list[UvicornServer], key: dict, count: int, profile: str | None = None) -> float:
-    """1,000 ``GET /v1/barriers/{id}/wait`` over the servers, released by the one arrival; return p99 (ms)."""
+def http_barrier_waiters(
+    servers: list[UvicornServer], key: dict, count: int, profile: str | None = None
+) -> tuple[float, float, float]:
+    """1,000 ``GET /v1/barriers/{id}/wait`` over the servers, released by the one arrival; return p99 and CPU (ms)."""
     from coordination.services.barriers import barrier_arrive, barrier_create
     from coordination.services.keys import project_ensure
     from coordination.services.runs import run_create
@@ -338,8 +382,11 @@ def main() -> None:
         first, second = waiter_servers()
         with first, second:
             servers = [first, second]
-            figures["group_wait_p99_ms"] = round(http_waiters(servers, keys, args.waiters, args.profile), 1)
-            figures["barrier_wait_p99_ms"] = round(http_barrier_waiters(servers, keys, args.waiters, args.profile), 1)
+            for what, measure in (("group", http_waiters), ("barrier", http_barrier_waiters)):
+                p99, cpu_per_wait, cpu_per_answer = measure(servers, keys, args.waiters, args.profile)
+                figures[f"{what}_wait_p99_ms"] = round(p99, 1)
+                figures[f"{what}_wait_park_cpu_ms_per_wait"] = round(cpu_per_wait, 3)
+                figures[f"{what}_wait_server_cpu_ms_per_answer"] = round(cpu_per_answer, 3)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
         print(f"figures written to {args.json}")

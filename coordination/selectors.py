@@ -16,8 +16,21 @@ from django.utils.dateparse import parse_datetime
 
 from coordination import exceptions
 from coordination.ids import path_ids
-from coordination.models import Barrier, Budget, BudgetReservation, Event, Mailbox, Message, Run, Task, TaskGroup, Timer
-from coordination.services.locking import chain_refusal
+from coordination.models import (
+    Barrier,
+    Budget,
+    BudgetReservation,
+    Event,
+    GroupMember,
+    Mailbox,
+    Message,
+    Run,
+    Task,
+    TaskGroup,
+    Timer,
+)
+from coordination.services import sql
+from coordination.services.locking import CHAIN_ACTIVE_SQL, chain_refusal
 from coordination.states import Effective, InactiveReason
 
 
@@ -278,6 +291,16 @@ def event_list(
     transaction still running in this database), so a reader that follows the cursor never
     skips an event.
     """
+    _parse_event_cursor(after)  # a malformed cursor is refused before an unknown run
+    run_path = run_get(visibility, run_id).path if run_id is not None else None
+    events = list(event_list_query(visibility, after=after, types=types, run_path=run_path, limit=limit))
+    return events, event_page_cursor(events, after)
+
+
+def event_list_query(
+    visibility: Visibility, *, after: str | None, types: Iterable[str], run_path: str | None, limit: int
+) -> QuerySet[Event]:
+    """Return the query of ``event_list`` with the run's path already found (the hot path runs it on its pool)."""
     txid, event_id = _parse_event_cursor(after)
     queryset = Event.objects.filter(project_id=visibility.project_id).filter(
         Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id)
@@ -288,11 +311,14 @@ def event_list(
         queryset = queryset.filter(type__in=types)
     if visibility.bound_path is not None:
         queryset = queryset.filter(run_path__startswith=visibility.bound_path)
-    if run_id is not None:
-        queryset = queryset.filter(run_path__startswith=run_get(visibility, run_id).path)
-    events = list(queryset.order_by("txid", "id")[:limit])
-    next_cursor = event_cursor(events[-1]) if events else (after or EVENT_CURSOR_START)
-    return events, next_cursor
+    if run_path is not None:
+        queryset = queryset.filter(run_path__startswith=run_path)
+    return queryset.order_by("txid", "id")[:limit]
+
+
+def event_page_cursor(events: list[Event], after: str | None) -> str:
+    """Return the cursor a reader continues from after the page ``events`` read after ``after``."""
+    return event_cursor(events[-1]) if events else (after or EVENT_CURSOR_START)
 
 
 def event_head(visibility: Visibility) -> str:
@@ -403,14 +429,67 @@ def group_get(visibility: Visibility, group_id: object) -> TaskGroup:
     return group
 
 
-def group_is_due(group: TaskGroup, now: datetime | None = None) -> bool:
-    """Tell whether an undecided group is past its deadline or its gate went inactive."""
+def group_is_due(group: TaskGroup, now: datetime | None = None, *, gate_active: bool | None = None) -> bool:
+    """Tell whether an undecided group is past its deadline or its gate went inactive.
+
+    ``gate_active``, when the caller read it already (``GROUP_WAIT_SQL``), saves the read of
+    the gate's chain.
+    """
     if group.state == "FINALIZED":
         return False
     now = now or timezone.now()
     if group.deadline is not None and group.deadline <= now:
         return True
+    if gate_active is not None:
+        return not gate_active
     return runs_effective([group.scope], now)[group.scope_id].effective != Effective.ACTIVE
+
+
+# The first read of a wait on the API's hot path (coordination/api/hot/waits.py): one statement
+# on its async pool, for a key that sees its whole project (a bound key's visibility needs the
+# run path checked, and takes the view). No row: not there, or another project's.
+
+
+def row_statement(model: type, *, project_id: uuid.UUID, object_id: uuid.UUID) -> tuple[str, dict]:
+    """Return the statement reading the row ``object_id`` of ``model`` (a task, barrier, timer) in ``project_id``."""
+    statement = (
+        f"SELECT {sql.columns(model, 'o')} FROM {model._meta.db_table} o "
+        "WHERE o.project_id = %(project_id)s AND o.id = %(id)s"
+    )
+    return statement, {"project_id": project_id, "id": object_id}
+
+
+_MEMBER = f"FROM {GroupMember._meta.db_table} gm JOIN {Task._meta.db_table} t ON t.id = gm.task_id"
+# A group, its mailbox, whether its gate's chain accepts work (``chain_refusal`` is None) and
+# its members in id order as one array per column (``present_group``'s): what ``fresh_group``
+# and ``present_group`` read in four statements.
+GROUP_WAIT_SQL = f"""
+SELECT {sql.columns(TaskGroup, "g")}, {sql.columns(Mailbox, "m")},
+    (SELECT {CHAIN_ACTIVE_SQL} FROM {Run._meta.db_table} r
+     WHERE r.id = ANY (string_to_array(rtrim(gate.path, '/'), '/')::uuid[])) AS gate_active,
+    members.task_ids, members.keys, members.states, members.verdicts, members.lates, members.verdict_ats
+FROM {TaskGroup._meta.db_table} g
+JOIN {Mailbox._meta.db_table} m ON m.id = g.mailbox_id
+JOIN {Run._meta.db_table} gate ON gate.id = g.scope_id
+LEFT JOIN LATERAL (
+    SELECT array_agg(gm.task_id ORDER BY gm.id) AS task_ids, array_agg(t.key ORDER BY gm.id) AS keys,
+        array_agg(t.state ORDER BY gm.id) AS states, array_agg(gm.verdict ORDER BY gm.id) AS verdicts,
+        array_agg(gm.late ORDER BY gm.id) AS lates, array_agg(gm.verdict_at ORDER BY gm.id) AS verdict_ats
+    {_MEMBER}
+    WHERE gm.group_id = g.id
+) members ON true
+WHERE g.project_id = %(project_id)s AND g.id = %(id)s"""
+
+
+def group_from_wait_row(row) -> tuple[TaskGroup, bool, list[tuple]]:
+    """Return a row of ``GROUP_WAIT_SQL`` as ``(group with its mailbox, gate active, members)``.
+
+    Each member is ``(task_id, key, state, verdict, late, verdict_at)``, as ``present_group`` takes them.
+    """
+    group, mailbox = sql.build_row(row, TaskGroup, Mailbox)
+    group.mailbox = mailbox
+    gate_active, *columns = row[len(TaskGroup._meta.concrete_fields) + len(Mailbox._meta.concrete_fields) :]
+    return group, gate_active, list(zip(*columns, strict=True)) if columns[0] is not None else []
 
 
 def barrier_get(visibility: Visibility, barrier_id: object) -> Barrier:

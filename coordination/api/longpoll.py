@@ -18,9 +18,10 @@ it waits, and the thread of its request goes back to the handler's idle ones
 import asyncio
 import logging
 import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 from asgiref.sync import sync_to_async
 from django.db import connection
@@ -85,6 +86,21 @@ class Answer:
             return value
 
 
+class Watched(NamedTuple):
+    """What a wait on one object watches, the same for its DRF view and the hot path (``long_poll``'s arguments).
+
+    ``read`` returns ``(object, Answer)``; ``share`` names the watch (the object and what
+    ``read`` depends on), so the DRF view's waiters and the hot path's of the same object
+    share one watch, one re-read and one rendering per wake-up.
+    """
+
+    read: Callable[[], Any]
+    done: Callable[[Any], bool]
+    topics: list
+    share: Hashable
+    due_in_s: Callable[[Any], float | None] | None = None
+
+
 async def in_request[T](fn: Callable[..., T], *args, **kwargs) -> T:
     """Run ``fn`` on the request's own thread and connection (no wait follows)."""
     return await sync_to_async(fn)(*args, **kwargs)
@@ -145,6 +161,7 @@ class Watch:
         self.next: asyncio.Future = asyncio.get_running_loop().create_future()
         self.lock = asyncio.Lock()  # claim rounds: one claimer at a time
         self.spent_round = -1  # the last round in which a claimer found nothing
+        self.first_pending: asyncio.Future | None = None  # a first read not sent yet (``first_read``)
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"runstate-watch {key!r}")
 
     def offer(self, value: object) -> None:
@@ -182,6 +199,39 @@ class Watch:
             future, self.next = self.next, asyncio.get_running_loop().create_future()
             future.set_result(outcome)
 
+    async def first_read(self, first: Callable[[Callable[[], None]], Awaitable[object]]) -> object:
+        """Return a first read of the object for a waiter that has joined: ``first``'s, or one shared.
+
+        A first read that has not sent its statement yet (``first(sent)`` calls ``sent`` just
+        before) answers every waiter that joins meanwhile: each joined before the read's
+        snapshot, so a commit after it still wakes them. A burst of waits on one object (the
+        hot path's, ``coordination/api/hot/waits.py``) then costs a few statements, not one
+        per waiter, and a burst's first reads do not queue for the hot pool's connections.
+        """
+        pending = self.first_pending
+        if pending is None:
+            loop = asyncio.get_running_loop()
+            pending = self.first_pending = loop.create_future()
+            pending.add_done_callback(_retrieved)
+
+            def sent() -> None:
+                if self.first_pending is pending:
+                    self.first_pending = None
+
+            async def run() -> None:
+                try:
+                    pending.set_result(await first(sent))
+                except asyncio.CancelledError:
+                    pending.cancel()
+                    raise
+                except Exception as error:  # noqa: BLE001 - each waiter sharing it raises it
+                    pending.set_exception(error)
+                finally:
+                    sent()
+
+            loop.create_task(run(), name=f"runstate-first-read {self.key!r}")
+        return await asyncio.shield(pending)
+
     async def next_read(self, timeout_s: float) -> tuple[bool, object]:
         """Wait for the next re-read (at most ``timeout_s``); return (whether it came, its value)."""
         future = self.next
@@ -192,6 +242,12 @@ class Watch:
         if error is not None:
             raise error
         return True, value
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a shared first read's error as retrieved: the waiters it answered raised it, or had left."""
+    if not future.cancelled():
+        future.exception()
 
 
 _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, Watch]] = weakref.WeakKeyDictionary()
@@ -231,6 +287,7 @@ async def long_poll[T](
     timeout_ms: int,
     due_in_s: Callable[[T], float | None] | None = None,
     share: Hashable | None = None,
+    first: Callable[[Callable[[], None]], Awaitable[T]] | None = None,
 ) -> T:
     """Call ``read`` until ``done(value)`` or ``timeout_ms`` passes; return the last value.
 
@@ -241,18 +298,26 @@ async def long_poll[T](
     then depend on nothing else than the key says), or its own without a key.
     ``due_in_s(value)``, when given, says when a time-based change is due (a timer), so the
     next re-read happens then rather than at the next recheck.
+
+    ``first``, when given, is the first read instead of ``read`` on the request's thread: a
+    coroutine on the event loop (the hot path's one statement on its async pool,
+    ``coordination/api/hot/waits.py``), with no connection or thread to give back before the
+    wait, and shared by the waiters of the watch that join before its statement is sent
+    (``Watch.first_read``); the watch's re-reads are ``read``'s all the same. An exception
+    it raises leaves the watch, as any other.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
     watch = _join(share if share is not None else object(), read, topics, due_in_s)
     _parked.set(False)
     try:
-        value = await in_request(read)
+        value = await (in_request(read) if first is None else watch.first_read(first))
         if done(value) or timeout_ms <= 0:
             return value
         watch.offer(value)
         logger.debug("watch %r: a waiter parked (%d waiting)", watch.key, watch.members)
-        await park()
+        if first is None:
+            await park()
         metrics.WAITERS_PARKED.inc()
         try:
             while True:

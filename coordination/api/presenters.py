@@ -145,9 +145,19 @@ def present_delivery(delivery: Delivery) -> dict:
     }
 
 
-def present_group(group: TaskGroup) -> dict:
-    """Return the API shape of a group, with every member (one query for them)."""
-    members = [
+def present_group(group: TaskGroup, members: list[tuple] | None = None) -> dict:
+    """Return the API shape of a group, with every member (one query for them, unless ``members`` are given).
+
+    ``members``: ``(task_id, key, state, verdict, late, verdict_at)`` in member id order, as
+    ``selectors.group_from_wait_row`` gives them.
+    """
+    if members is None:
+        members = list(
+            GroupMember.objects.filter(group=group)
+            .order_by("id")
+            .values_list("task_id", "task__key", "task__state", "verdict", "late", "verdict_at")
+        )
+    shapes = [
         {
             "taskId": str(task_id),
             "key": key,
@@ -156,9 +166,7 @@ def present_group(group: TaskGroup) -> dict:
             "late": late,
             "verdictAt": iso(verdict_at),
         }
-        for task_id, key, state, verdict, late, verdict_at in GroupMember.objects.filter(group=group)
-        .order_by("id")
-        .values_list("task_id", "task__key", "task__state", "verdict", "late", "verdict_at")
+        for task_id, key, state, verdict, late, verdict_at in members
     ]
     return {
         "id": str(group.id),
@@ -176,7 +184,7 @@ def present_group(group: TaskGroup) -> dict:
         "createdAt": iso(group.created_at),
         "closedAt": iso(group.closed_at),
         "finalizedAt": iso(group.finalized_at),
-        "members": members,
+        "members": shapes,
     }
 
 

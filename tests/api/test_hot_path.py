@@ -321,6 +321,11 @@ def normalized(answers: list[httpx.Response]) -> list[tuple]:
     return out
 
 
+def with_method(sent: tuple) -> tuple:
+    """Return a request as ``(path, body, headers, method)``: POST unless it names its method (a wait's GET)."""
+    return sent if len(sent) == 4 else (*sent, "POST")
+
+
 async def _send(requests) -> list[httpx.Response]:
     from runstate_project.asgi import application
 
@@ -331,18 +336,21 @@ async def _send(requests) -> list[httpx.Response]:
     await (await hot_db.pool()).wait(timeout=30)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-            return [await client.post(path, content=body, headers=headers) for path, body, headers in requests]
+            return [
+                await client.request(method, path, content=body, headers=headers)
+                for path, body, headers, method in map(with_method, requests)
+            ]
     finally:
         await hot_db.close()
 
 
-def answered(settings, hot_on: bool, build) -> tuple[list[tuple], int]:
-    """Answer ``build(fresh state)``'s requests with the hot path on or off; return them and how many it served."""
+def answered(settings, hot_on: bool, build, fresh=fresh_state) -> tuple[list[tuple], int]:
+    """Answer ``build(fresh())``'s requests with the hot path on or off; return them and how many it served."""
     settings.RUNSTATE_HOT_PATH = hot_on
     # The application's first request turns the caches on with a LISTEN connection on its
     # event loop, which ends with each asyncio.run here: serve them from this thread's again.
     caches_on(settings)
-    requests = build(fresh_state())
+    requests = build(fresh())
     before = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful"))
     answers = asyncio.run(_send(requests))
     served = sum(n for name, n in hot.SERVED.items() if name not in ("declined", "careful")) - before

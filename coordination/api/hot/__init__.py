@@ -4,7 +4,13 @@
 application. It serves, on PostgreSQL, ``POST /v1/claims/{id}/complete|fail|release|renew``
 and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``,
 and the batch forms ``POST /v1/claims/complete|renew`` and
-``POST /v1/mailboxes/{name}/tasks/batch`` (``endpoints``). For each request:
+``POST /v1/mailboxes/{name}/tasks/batch`` (``endpoints``); and the waits
+``GET /v1/tasks/{id}/result``, ``GET /v1/groups/{id}/wait``, ``GET /v1/barriers/{id}/wait``,
+``POST /v1/timers/{id}/wait`` and the event long-poll ``GET /v1/events`` (``waits``: the
+query checked by its serializer's fields, a place among the key's waits, the first read one
+statement, and a wait parked on the event loop on the watch the view's waiters use,
+answered with the bytes rendered once for every waiter of the same read; the client going
+away cancels it, as Django's handler cancels an async view). For each request:
 
 1. the route is Django's own (``resolve``), and the key is the process cache's
    (``api_key_authenticate(cached_only=True)``) with the permission the view needs;
@@ -21,10 +27,13 @@ and the batch forms ``POST /v1/claims/complete|renew`` and
 **The fallback rule.** Anything the hot path cannot decide from what it holds in memory goes
 to the DRF path unchanged, before anything is counted or written: a key not in the cache, a
 key bound to a run (its visibility needs a read), a key whose ``last_used_at`` is due, a
-missing permission, a body the plain validators do not accept (the serializer writes the
-exact error), an unusual ``Content-Type`` or ``Accept``, a mailbox or run not cached, a claim
+missing permission, a body or a wait's query the plain validators do not accept (the
+serializer writes the exact error), a malformed id of a waited object, an unusual
+``Content-Type`` or ``Accept``, a body sent to a wait, a mailbox or run not cached, a claim
 that may wait. When the statement touches no row (lease lost, nothing to claim, a group
-member, an inactive run, a key used before), or no pooled connection is ready within
+member, an inactive run, a key used before, a waited object that is not there or another
+project's), a wait's first read finds what only a write answers (a group due to be
+finalized, a timer fired, due or cancelled), or no pooled connection is ready within
 ``db.READY_GRACE_S`` (the server down: the DRF path's pool answers 503 at once), the request,
 already read and counted, is answered by its DRF view in one thread hop inside the same
 middleware chain (its throttle does not count it again). A claim batch whose statement
@@ -51,8 +60,13 @@ and Hypothesis-generated bodies to the application with the hot path on and off,
 fresh state, and compares status, body and headers; a counter (``SERVED``) shows that the hot
 path, not DRF, answered. With tracing on (an in-memory exporter, the psycopg instrumentation)
 it compares the span trees and the contexts the tasks store as well.
+``tests/api/test_hot_waits.py`` does the same for the waits (decided before, decided while
+waiting with a DRF waiter on the same watch, timeout, unknown, foreign project, bound key,
+invalid query, rate limited, the waits cap), and races waiters against a decision.
 """
 
+import asyncio
+import contextlib
 import io
 from collections import Counter
 
@@ -61,6 +75,7 @@ from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIRequest, get_script_prefix
 from django.core.handlers.base import BaseHandler
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+from django.http import QueryDict
 from django.urls import Resolver404, get_resolver, set_script_prefix, set_urlconf
 from django.utils import timezone
 from django.utils.log import log_response
@@ -73,8 +88,8 @@ from coordination import exceptions
 from coordination.api import edge, errors
 from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
-from coordination.api.hot import db
-from coordination.api.hot.endpoints import ENDPOINTS, Call, Endpoint
+from coordination.api.hot import db, endpoints, waits
+from coordination.api.hot.endpoints import Call, Endpoint
 from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
 from coordination.services.keys import api_key_authenticate
 from coordination.tracing import request_trace, tracing_on
@@ -83,7 +98,9 @@ from coordination.tracing import request_trace, tracing_on
 # handed to the views (``careful``, after its statement touched no row; ``declined``, before
 # anything): tests read it.
 SERVED: Counter = Counter()
-_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch")
+ENDPOINTS: dict[type, Endpoint] = {**endpoints.ENDPOINTS, **waits.ENDPOINTS}
+_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch", "/result", "/wait", "/events")
+_METHODS = {endpoint.method for endpoint in ENDPOINTS.values()}
 _PLAIN_ACCEPT = {b"", b"*/*", b"application/json"}
 _renderer = JSONRenderer()
 
@@ -132,10 +149,10 @@ class HotRouter:
     def __init__(self, fallback, load_middleware) -> None:
         self.fallback = fallback
         self._handler = _HotHandler(load_middleware, self._serve)
-        self._allow = {view: ", ".join(view().allowed_methods) for view in ENDPOINTS}
+        self._allow = {view: _allowed(view) for view in ENDPOINTS}
 
     async def __call__(self, scope, receive, send):  # noqa: D102 - see the class
-        found = self._endpoint(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        found = self._endpoint(scope) if scope["type"] == "http" and scope["method"] in _METHODS else None
         if found is None or not enabled():
             return await self.fallback(scope, receive, send)
         endpoint, match = found
@@ -157,7 +174,8 @@ class HotRouter:
                 edge.header(scope, b"traceparent").decode("latin-1") or None,
                 edge.header(scope, b"tracestate").decode("latin-1") or None,
             )
-            call = Call(api_key, match.kwargs, self._body(endpoint, body), trace)
+            data = self._query(endpoint, scope) if endpoint.waits else self._body(endpoint, body)
+            call = Call(api_key, match.kwargs, data, trace)
             if not endpoint.accepts(call):
                 raise _Declined()
         except _Declined:
@@ -167,10 +185,33 @@ class HotRouter:
         request = ASGIRequest(scope, io.BytesIO(body))
         request.resolver_match = match
         request.runstate_hot = (endpoint, call)
+        if endpoint.waits:
+            return await self._answer_while_connected(request, receive, send)
         response = await self._handler.respond(request)
         await self.fallback.send_response(response, send)
         response.close()
         return None
+
+    async def _answer_while_connected(self, request, receive, send) -> None:
+        """Answer a wait; the client going away first cancels it, as Django's handler cancels an async view."""
+
+        async def answer():
+            response = await self._handler.respond(request)
+            try:
+                await self.fallback.send_response(response, send)
+            finally:
+                response.close()
+
+        answering = asyncio.create_task(answer())
+        listening = asyncio.create_task(self.fallback.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait([answering, listening], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (answering, listening):
+                task.cancel()
+            for task in (answering, listening):  # the wait has left its watch and place after this
+                with contextlib.suppress(asyncio.CancelledError, RequestAborted):
+                    await task  # an error of the answer is the server's
 
     @staticmethod
     def _endpoint(scope) -> tuple[Endpoint, object] | None:
@@ -182,7 +223,7 @@ class HotRouter:
         except Resolver404:
             return None
         endpoint = ENDPOINTS.get(getattr(match.func, "cls", None))
-        return None if endpoint is None else (endpoint, match)
+        return None if endpoint is None or endpoint.method != scope["method"] else (endpoint, match)
 
     @staticmethod
     def _caller(scope, endpoint: Endpoint):
@@ -196,7 +237,7 @@ class HotRouter:
             api_key is None
             or api_key.run_id is not None  # a bound key: what it may see needs a read
             or last_used_due(api_key, timezone.now())  # the view records the use (a write)
-            or not api_key.has_permission(permission_needed(endpoint.view, "POST"))
+            or not api_key.has_permission(permission_needed(endpoint.view, endpoint.method))
         ):
             return None
         return api_key
@@ -207,12 +248,27 @@ class HotRouter:
         if edge.header(scope, b"accept").strip().lower() not in _PLAIN_ACCEPT:
             return False
         declared = edge.header(scope, b"content-length")
+        if endpoint.waits:  # no body at all (a GET without Content-Length, a POST with 0)
+            return declared in (b"", b"0") and not edge.header(scope, b"transfer-encoding")
         limit = edge.body_limit()
         if not declared.isdigit() or (limit is not None and int(declared) > limit):
             return False  # chunked, or a refusal ApiASGIHandler gives
         if endpoint.serializer is None:
             return True
         return edge.header(scope, b"content-type").strip().lower() == b"application/json" and int(declared) > 0
+
+    @staticmethod
+    def _query(endpoint: Endpoint, scope) -> dict:
+        """Return the query string validated by ``endpoint.serializer``'s fields, as the view's ``query`` reads it."""
+        try:
+            # As ASGIRequest decodes it, and ``ApiView.query`` takes it (the last value of each name).
+            query = QueryDict(scope.get("query_string", b"").decode()).dict()
+        except UnicodeDecodeError:
+            raise _Declined() from None
+        validated = plain_body(endpoint.serializer, query)
+        if validated is None:
+            raise _Declined()
+        return validated
 
     @staticmethod
     def _body(endpoint: Endpoint, body: bytes) -> dict:
@@ -253,13 +309,22 @@ class HotRouter:
         SERVED[type(endpoint).__name__] += 1
         return self._response(endpoint, answer)
 
-    def _response(self, endpoint: Endpoint, response: Response) -> Response:
-        """Render ``response`` as the view's ``finalize_response`` and DRF's renderer would."""
+    def _response(self, endpoint: Endpoint, response):
+        """Render ``response`` as the view's ``finalize_response`` and DRF's renderer would (a wait's is rendered)."""
+        response["Allow"] = self._allow[endpoint.view]
+        if not isinstance(response, Response):
+            return response
         response.accepted_renderer = _renderer
         response.accepted_media_type = _renderer.media_type
         response.renderer_context = {}
-        response["Allow"] = self._allow[endpoint.view]
         return response.render()
+
+
+def _allowed(view_class: type) -> str:
+    """Return the view's ``Allow`` header, as a view set up by ``as_view`` gives it (with ``get``, ``HEAD`` too)."""
+    view = view_class()
+    view.setup(None)
+    return ", ".join(view.allowed_methods)
 
 
 async def _read_body(receive) -> bytes:
@@ -285,4 +350,4 @@ def _replaying(body: bytes, receive):
     return replay
 
 
-__all__ = ["SERVED", "HotRouter", "enabled"]
+__all__ = ["ENDPOINTS", "SERVED", "HotRouter", "enabled"]

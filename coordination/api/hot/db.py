@@ -10,6 +10,7 @@ may run several in turn, and each gets a pool of its own.
 """
 
 import asyncio
+from collections.abc import Callable
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, InterfaceError, OperationalError, connections
@@ -88,16 +89,20 @@ async def pool() -> AsyncConnectionPool:
     return found
 
 
-async def fetch(statement: str, params: dict) -> list[tuple]:
+async def fetch(statement: str, params: dict, *, sent: Callable[[], None] | None = None) -> list[tuple]:
     """Run one statement in a transaction of its own and return its rows.
 
     A connection that fails raises Django's ``OperationalError``, which the API answers
     ``503 SERVICE_UNAVAILABLE`` as it does on the DRF path, a constraint it breaks Django's
     ``IntegrityError``; no connection ready within
-    ``READY_GRACE_S`` raises ``NoConnection`` (nothing was sent).
+    ``READY_GRACE_S`` raises ``NoConnection`` (nothing was sent). ``sent`` is called when the
+    statement is about to be sent, its connection taken (a wait's shared first read:
+    ``longpoll.Watch.first_read``).
     """
     try:
         async with (await pool()).connection(timeout=READY_GRACE_S) as conn, conn.cursor() as cursor:
+            if sent is not None:
+                sent()
             await cursor.execute(statement, params)
             return await cursor.fetchall()
     except PoolTimeout:

@@ -62,6 +62,7 @@ class Call:
     mailbox: Mailbox | None = None
     run_id: Any = None
     span: Any = None
+    target: Any = None  # a wait's object id, parsed
 
     @property
     def project_id(self):
@@ -79,7 +80,8 @@ async def _task(statement: str, params: dict) -> Task | None:
     return rows[0][0] if rows else None
 
 
-async def _mailbox_name(task: Task, hop: Hop) -> str:
+async def mailbox_name(task: Task, hop: Hop) -> str:
+    """Return the name of ``task``'s mailbox: from the process cache, else read in one thread hop."""
     name = selectors.mailbox_name_cached(task.mailbox_id)
     if name is None:  # the first task of a mailbox this process answers: one read
         name = (await hop(selectors.mailbox_names, [task]))[task.mailbox_id]
@@ -95,7 +97,7 @@ async def _task_answer(statement_and_params: tuple[str, dict], hop: Hop, *, may_
         # As the services do after their statement: a task back in the queue wakes a Celery
         # worker of a bound mailbox (a broker message; rare, so in a thread).
         await hop(dispatch.work_requeued, task)
-    return Response(present_task(task, await _mailbox_name(task, hop)))
+    return Response(present_task(task, await mailbox_name(task, hop)))
 
 
 def _cached_mailbox_and_run(call: Call) -> bool:
@@ -114,13 +116,19 @@ def _cached_mailbox_and_run(call: Call) -> bool:
 
 
 class Endpoint:
-    """A hot endpoint: its DRF view and body serializer, its checks, its statement and answer."""
+    """A hot endpoint: its DRF view, method and body serializer, its checks, its statement and answer.
+
+    ``waits``: the answer may wait (``coordination/api/hot/waits.py``): the client going
+    away cancels it, and its query string, not its body, is validated (by ``serializer``).
+    """
 
     view: type
     serializer: type | None
     # Whether it makes the spans its view makes (``spans``): in a process that traces, the
     # router leaves every request of an endpoint that does not to its view.
     traced = False
+    method = "POST"
+    waits = False
 
     def accepts(self, call: Call) -> bool:
         """Tell whether the hot path can answer ``call`` as the view would (else the view answers)."""
@@ -194,7 +202,7 @@ class Renew(Endpoint):
         if task is None:
             return None
         claim = Claim(task, task.attempts, task.lease_expires_at)
-        return Response(present_claim(claim, await _mailbox_name(task, hop)))
+        return Response(present_claim(claim, await mailbox_name(task, hop)))
 
 
 class ClaimTasks(Endpoint):

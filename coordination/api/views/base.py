@@ -91,6 +91,33 @@ class SharedAnswerResponse(HttpResponse):
     close_on_loop = False
 
 
+def shared_response(
+    answer: longpoll.Answer, *, wait: str, status: int, renderer: JSONRenderer, media_type: str, context: dict
+) -> SharedAnswerResponse:
+    """Return ``answer`` as a ``SharedAnswerResponse``: rendered by ``renderer`` the first time, its bytes after.
+
+    The rendering is kept on ``answer`` by renderer class, media type and status, so the
+    waits' views and the hot path (``coordination/api/hot/waits.py``) answered by the same
+    read send the same bytes, rendered once (``runstate_wait_answers_rendered_total``).
+    """
+
+    def render() -> tuple[str | None, bytes]:
+        response = Response(answer.data, status=status)
+        response.accepted_renderer, response.accepted_media_type = renderer, media_type
+        response.renderer_context = context
+        content = response.rendered_content
+        metrics.WAIT_ANSWERS_RENDERED.labels(wait).inc()
+        return response.get("Content-Type"), content
+
+    content_type, content = answer.rendered((type(renderer), media_type, status), render)
+    response = SharedAnswerResponse(content, status=status)
+    if content_type is None:
+        del response["Content-Type"]
+    else:
+        response["Content-Type"] = content_type
+    return response
+
+
 class AsyncApiView(AsyncAPIView, ApiView):
     """An API view whose handlers are ``async def`` (long-polls).
 
@@ -133,22 +160,11 @@ class AsyncApiView(AsyncAPIView, ApiView):
         renderer, media_type = request.accepted_renderer, request.accepted_media_type
         if type(renderer) is not JSONRenderer:
             return Response(answer.data, status=status)
-
-        def render() -> tuple[str | None, bytes]:
-            response = Response(answer.data, status=status)
-            response.accepted_renderer, response.accepted_media_type = renderer, media_type
-            response.renderer_context = self.get_renderer_context()
-            content = response.rendered_content
-            metrics.WAIT_ANSWERS_RENDERED.labels(wait).inc()
-            return response.get("Content-Type"), content
-
-        content_type, content = answer.rendered((JSONRenderer, media_type, status), render)
-        response = SharedAnswerResponse(content, status=status)
+        context = self.get_renderer_context()
+        response = shared_response(
+            answer, wait=wait, status=status, renderer=renderer, media_type=media_type, context=context
+        )
         response.close_on_loop = longpoll.parked()
-        if content_type is None:
-            del response["Content-Type"]
-        else:
-            response["Content-Type"] = content_type
         return response
 
     def hand_over_wait(self) -> waits.Place:

@@ -6,9 +6,10 @@ from rest_framework.response import Response
 
 from coordination import exceptions, selectors
 from coordination.api import serializers as s
-from coordination.api.longpoll import Answer, long_poll
+from coordination.api.longpoll import Answer, Watched, long_poll
 from coordination.api.presenters import present_barrier, present_timer
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.selectors import Visibility
 from coordination.services import barriers as barrier_services
 from coordination.services import timers as timer_services
 from coordination.states import BarrierState, Permission, TimerState
@@ -78,22 +79,9 @@ class BarrierWaitView(AsyncApiView):
         """Answer once released (409 ``BARRIER_CANCELLED`` if cancelled), or the view after ``timeoutMs``."""
         query = self.query(s.WaitQuery)
         self.hold_wait(query["timeoutMs"])
-        visibility = self.visibility
-        ref = selectors.parse_id(barrier_id, what="Barrier")
-
-        def read():
-            barrier = selectors.barrier_get(visibility, ref)
-            return barrier, Answer(present_barrier(barrier))
-
-        barrier, answer = await long_poll(
-            read,
-            done=lambda pair: pair[0].state != BarrierState.WAITING,
-            topics=[ref],
-            timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
-            share=("barrier", ref, visibility),
-        )
-        if barrier.state == BarrierState.CANCELLED:
-            raise exceptions.BarrierCancelled(barrierId=str(barrier.id))
+        watched = barrier_watched(self.visibility, selectors.parse_id(barrier_id, what="Barrier"))
+        barrier, answer = await long_poll(**watched._asdict(), timeout_ms=s.clamp_wait_ms(query["timeoutMs"]))
+        barrier_refuse_cancelled(barrier)
         return self.shared_answer(answer, wait="barrier")
 
 
@@ -132,23 +120,46 @@ class TimerWaitView(AsyncApiView):
         """Answer once fired, acknowledged (idempotent); the armed timer after ``timeoutMs``."""
         query = self.query(s.WaitQuery)
         self.hold_wait(query["timeoutMs"])
-        visibility, project_id = self.visibility, self.project_id
-        ref = selectors.parse_id(timer_id, what="Timer")
-
-        def read():
-            timer = selectors.timer_get(visibility, ref)
-            timer = timer_services.timer_acknowledge(project_id=project_id, timer_id=timer.id)
-            return timer, Answer(present_timer(timer))
-
-        _, answer = await long_poll(
-            read,
-            done=lambda pair: pair[0].state == TimerState.ACKNOWLEDGED,
-            topics=[ref],
-            timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
-            due_in_s=lambda pair: (pair[0].fire_at - timezone.now()).total_seconds(),
-            share=("timer", ref, visibility, project_id),
-        )
+        watched = timer_watched(self.visibility, selectors.parse_id(timer_id, what="Timer"))
+        _, answer = await long_poll(**watched._asdict(), timeout_ms=s.clamp_wait_ms(query["timeoutMs"]))
         return self.shared_answer(answer, wait="timer")
+
+
+def barrier_watched(visibility: Visibility, ref) -> Watched:
+    """Return what a wait on a barrier watches (its view and the hot path): the barrier until it leaves WAITING."""
+
+    def read():
+        barrier = selectors.barrier_get(visibility, ref)
+        return barrier, Answer(present_barrier(barrier))
+
+    return Watched(read, lambda pair: pair[0].state != BarrierState.WAITING, [ref], ("barrier", ref, visibility))
+
+
+def barrier_refuse_cancelled(barrier) -> None:
+    """Refuse a barrier wait's answer with ``BARRIER_CANCELLED`` when the barrier it waited on was cancelled."""
+    if barrier.state == BarrierState.CANCELLED:
+        raise exceptions.BarrierCancelled(barrierId=str(barrier.id))
+
+
+def timer_watched(visibility: Visibility, ref) -> Watched:
+    """Return what a wait on a timer watches (its view and the hot path): the timer, acknowledged once fired.
+
+    Re-read when it is due; the caller's project is the visibility's.
+    """
+    project_id = visibility.project_id
+
+    def read():
+        timer = selectors.timer_get(visibility, ref)
+        timer = timer_services.timer_acknowledge(project_id=project_id, timer_id=timer.id)
+        return timer, Answer(present_timer(timer))
+
+    return Watched(
+        read,
+        lambda pair: pair[0].state == TimerState.ACKNOWLEDGED,
+        [ref],
+        ("timer", ref, visibility, project_id),
+        due_in_s=lambda pair: (pair[0].fire_at - timezone.now()).total_seconds(),
+    )
 
 
 class TimerCancelView(ApiView):

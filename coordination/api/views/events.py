@@ -5,10 +5,11 @@ from rest_framework.response import Response
 
 from coordination import selectors
 from coordination.api import serializers as s
-from coordination.api.longpoll import long_poll
+from coordination.api.longpoll import Watched, long_poll
 from coordination.api.presenters import present_event
 from coordination.api.views.base import AsyncApiView, with_errors
 from coordination.notify import ANY_TOPIC
+from coordination.selectors import Visibility
 from coordination.states import Permission
 
 
@@ -28,18 +29,36 @@ class EventListView(AsyncApiView):
         query = self.query(s.EventListQuery)
         self.hold_wait(query["waitMs"])
         visibility = self.visibility
-
-        def read():
-            return selectors.event_list(
-                visibility,
-                after=query.get("after"),
-                types=(query.get("types") or "").split(","),
-                run_id=query.get("runId"),
-                limit=query["limit"],
-            )
-
-        events, next_cursor = await long_poll(
-            read, done=lambda page: bool(page[0]), topics=[ANY_TOPIC], timeout_ms=s.clamp_wait_ms(query["waitMs"])
+        page = await long_poll(
+            **event_page_watched(visibility, query)._asdict(), timeout_ms=s.clamp_wait_ms(query["waitMs"])
         )
-        bound = visibility.bound_path is not None
-        return Response({"events": [present_event(e, bound=bound) for e in events], "nextCursor": next_cursor})
+        return Response(present_page(visibility, *page))
+
+
+def event_page_types(query: dict) -> list[str]:
+    """Return the event types a page's query asks for (none: every type)."""
+    return (query.get("types") or "").split(",")
+
+
+def event_page_watched(visibility: Visibility, query: dict) -> Watched:
+    """Return what a long-poll of the events watches (its view and the hot path): a page, until it has an event.
+
+    Each waiter has its own watch (no share key): its page depends on its own cursor.
+    """
+
+    def read():
+        return selectors.event_list(
+            visibility,
+            after=query.get("after"),
+            types=event_page_types(query),
+            run_id=query.get("runId"),
+            limit=query["limit"],
+        )
+
+    return Watched(read, lambda page: bool(page[0]), [ANY_TOPIC], None)
+
+
+def present_page(visibility: Visibility, events: list, next_cursor: str) -> dict:
+    """Return the API shape of a page of events for a caller of ``visibility``."""
+    bound = visibility.bound_path is not None
+    return {"events": [present_event(e, bound=bound) for e in events], "nextCursor": next_cursor}

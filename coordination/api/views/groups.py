@@ -5,9 +5,10 @@ from rest_framework.response import Response
 
 from coordination import selectors, tracing
 from coordination.api import serializers as s
-from coordination.api.longpoll import Answer, long_poll
+from coordination.api.longpoll import Answer, Watched, long_poll
 from coordination.api.presenters import present_decision, present_group, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.selectors import Visibility
 from coordination.services import groups as group_services
 from coordination.states import GroupState, Permission, Verdict
 
@@ -67,21 +68,19 @@ class GroupWaitView(AsyncApiView):
         """Answer once the group is finalized, or with its current state after ``timeoutMs`` (max 30 s)."""
         query = self.query(s.WaitQuery)
         self.hold_wait(query["timeoutMs"])
-        visibility = self.visibility
-        group_ref = selectors.parse_id(group_id, what="Group")
-
-        def read():
-            group = fresh_group(visibility, group_ref)
-            return group, Answer(present_group(group))
-
-        _, answer = await long_poll(
-            read,
-            done=lambda pair: pair[0].state == GroupState.FINALIZED,
-            topics=[group_ref],
-            timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
-            share=("group", group_ref, visibility),
-        )
+        watched = group_watched(self.visibility, selectors.parse_id(group_id, what="Group"))
+        _, answer = await long_poll(**watched._asdict(), timeout_ms=s.clamp_wait_ms(query["timeoutMs"]))
         return self.shared_answer(answer, wait="group")
+
+
+def group_watched(visibility: Visibility, ref) -> Watched:
+    """Return what a wait on a group watches (its view and the hot path): the group, finalized when due."""
+
+    def read():
+        group = fresh_group(visibility, ref)
+        return group, Answer(present_group(group))
+
+    return Watched(read, lambda pair: pair[0].state == GroupState.FINALIZED, [ref], ("group", ref, visibility))
 
 
 def _member_response(task, group, created):

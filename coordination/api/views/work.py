@@ -6,7 +6,7 @@ from rest_framework.response import Response
 from coordination import exceptions, selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.bodies import task_spec
-from coordination.api.longpoll import Answer, claim_long_poll, in_request, long_poll
+from coordination.api.longpoll import Answer, Watched, claim_long_poll, in_request, long_poll
 from coordination.api.presenters import (
     batch_tasks,
     present_claim,
@@ -17,6 +17,7 @@ from coordination.api.presenters import (
     present_task,
 )
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.selectors import Visibility
 from coordination.services import claims as claim_services
 from coordination.services import tasks as task_services
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
@@ -151,21 +152,19 @@ class TaskResultView(AsyncApiView):
         """Answer once the task is terminal, or with its current state after ``timeoutMs`` (max 30 s)."""
         query = self.query(s.WaitQuery)
         self.hold_wait(query["timeoutMs"])
-        visibility = self.visibility
-        ref = selectors.parse_id(task_id, what="Task")
-
-        def read():
-            task = selectors.task_get(visibility, ref)
-            return task, Answer(present_task(task))
-
-        _, answer = await long_poll(
-            read,
-            done=lambda pair: pair[0].state in TASK_TERMINAL,
-            topics=[ref],
-            timeout_ms=s.clamp_wait_ms(query["timeoutMs"]),
-            share=("task", ref, visibility),
-        )
+        watched = task_result_watched(self.visibility, selectors.parse_id(task_id, what="Task"))
+        _, answer = await long_poll(**watched._asdict(), timeout_ms=s.clamp_wait_ms(query["timeoutMs"]))
         return self.shared_answer(answer, wait="task")
+
+
+def task_result_watched(visibility: Visibility, ref) -> Watched:
+    """Return what a wait on a task's result watches (its view and the hot path): the task until it is terminal."""
+
+    def read():
+        task = selectors.task_get(visibility, ref)
+        return task, Answer(present_task(task))
+
+    return Watched(read, lambda pair: pair[0].state in TASK_TERMINAL, [ref], ("task", ref, visibility))
 
 
 class TaskCancelView(ApiView):
