@@ -458,7 +458,8 @@ def _through_outages(call):
 
     Every call here is fenced, so a try after one that did commit changes nothing (a claim
     then finds the task held, a completion finds it finished). Outside a transaction only,
-    and only when the connection itself is gone: other errors propagate at once.
+    and only when the connection itself is gone or the server takes no writes (a pooler sent
+    to a standby before its promotion: ``read_only_server``): other errors propagate at once.
     """
     deadline = None
     pause = 0.0
