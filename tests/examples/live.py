@@ -82,8 +82,9 @@ def started(command: str, tmp_path: Path):
     """Run ``command`` (a README line that runs ``scripts/start``) until it prints its banner; stop it at the end."""
     port = free_port()
     var_dir = tmp_path / "var"
-    # One API process keeps the suite's share of PostgreSQL connections small.
-    env = person_env(var_dir, PORT=str(port), WEB_CONCURRENCY="1")
+    # One API process keeps the suite's share of PostgreSQL connections small. The MCP server
+    # gets a free port of its own: PORT+1, the default, may be any other process's port by then.
+    env = person_env(var_dir, PORT=str(port), MCP_PORT=str(free_port()), WEB_CONCURRENCY="1")
     output = tmp_path / "start.out"
     service = Service(f"http://127.0.0.1:{port}", var_dir, output, shell(command, env, output))
     try:

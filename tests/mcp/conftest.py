@@ -19,6 +19,7 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
+from tests.processes import free_port
 from tests.sdk.conftest import make_key, sdk, sdk_server  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,12 +62,6 @@ async def http_session(url: str, api_key: str, *, modern: bool = False):
     ):
         await (session.discover() if modern else session.initialize())
         yield session
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
