@@ -26,6 +26,12 @@ _PERIODS_S |= {"d": 86400, "day": 86400}
 REDIS_TIMEOUT_S = 0.25
 # After a Redis error, count locally for this long before trying Redis again.
 REDIS_BACKOFF_S = 5.0
+# A process's Redis connections for its counts (the request threads' and each event loop's):
+# a burst beyond them waits up to ``REDIS_POOL_WAIT_S`` for one rather than failing, as
+# redis-py's default pools do past 100 ("Too many connections"), which would count locally
+# for ``REDIS_BACKOFF_S``.
+REDIS_CONNECTIONS = 32
+REDIS_POOL_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,14 @@ class RedisWindows:
     def __init__(self, url: str) -> None:
         import redis
 
-        self._client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+        pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=REDIS_CONNECTIONS,
+            timeout=REDIS_POOL_WAIT_S,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+        )
+        self._client = redis.Redis(connection_pool=pool)
         self._count = self._client.register_script(_COUNT_SCRIPT)
 
     def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:
@@ -107,9 +120,14 @@ class AsyncRedisWindows:
     def __init__(self, url: str) -> None:
         import redis.asyncio
 
-        self._client = redis.asyncio.Redis.from_url(
-            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url,
+            max_connections=REDIS_CONNECTIONS,
+            timeout=REDIS_POOL_WAIT_S,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
         )
+        self._client = redis.asyncio.Redis(connection_pool=pool)
         self._count = self._client.register_script(_COUNT_SCRIPT)
 
     async def hit(self, key: str, rate: Rate, cost: int = 1) -> tuple[int, float]:

@@ -91,3 +91,56 @@ def test_rates_that_disable(text):
 def test_a_malformed_rate_is_reported():
     with pytest.raises(ValueError, match="RUNSTATE_RATE_LIMIT"):
         parse_rate("lots")
+
+
+@pytest.mark.postgres_only  # the suite's Redis broker (the SQLite run has none)
+def test_a_burst_on_one_event_loop_is_counted_in_redis_every_hit_once(settings, monkeypatch, caplog):
+    """The hot path's burst (a thousand waits arriving together) queues for Redis; it never falls back.
+
+    redis-py's asyncio pool refuses a command past its 100 connections ("Too many
+    connections"); a failure turns the shared limit into a per-process one for
+    ``REDIS_BACKOFF_S``, so a burst must wait for a connection instead.
+    """
+    import asyncio
+    import uuid
+
+    assert settings.CELERY_BROKER_URL.startswith("redis://")
+    monkeypatch.setattr(throttling.limiter, "_redis_down_until", 0.0)
+    monkeypatch.setattr(throttling.limiter, "_async", {})
+    rate, key, burst = Rate(count=10_000, period_s=3600), f"burst-{uuid.uuid4().hex}", 600
+
+    async def hits():
+        return await asyncio.gather(*(throttling.limiter.ahit(key, rate) for _ in range(burst)))
+
+    with caplog.at_level("WARNING", logger=throttling.logger.name):
+        counts = sorted(count for count, _ in asyncio.run(hits()))
+    assert not [record for record in caplog.records if "Redis unavailable" in record.getMessage()]
+    assert throttling.limiter._redis_down_until == 0.0
+    assert counts == list(range(1, burst + 1))  # every hit counted once, in Redis's one window
+    assert throttling.limiter.local._windows.get(key) is None
+
+
+@pytest.mark.postgres_only  # the suite's Redis broker (the SQLite run has none)
+def test_a_burst_of_request_threads_is_counted_in_redis_every_hit_once(settings, monkeypatch, caplog):
+    """The same for the views' threads: 300 requests counting at once wait for a connection, none falls back."""
+    import threading
+    import uuid
+
+    assert settings.CELERY_BROKER_URL.startswith("redis://")
+    monkeypatch.setattr(throttling.limiter, "_redis_down_until", 0.0)
+    monkeypatch.setattr(throttling.limiter, "_redis", None)
+    rate, key, burst = Rate(count=10_000, period_s=3600), f"burst-{uuid.uuid4().hex}", 300
+    start, counts = threading.Barrier(burst), []
+
+    def hit():
+        start.wait()
+        counts.append(throttling.limiter.hit(key, rate)[0])
+
+    with caplog.at_level("WARNING", logger=throttling.logger.name):
+        threads = [threading.Thread(target=hit) for _ in range(burst)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not [record for record in caplog.records if "Redis unavailable" in record.getMessage()]
+    assert sorted(counts) == list(range(1, burst + 1))
