@@ -49,6 +49,7 @@ class Stream:
     writes: list[tuple[str, str, int]] = field(default_factory=list)
     # The last event written of each of these types must arrive before the client goes away.
     awaited: tuple[str, ...] = (TICK,)
+    repeated: tuple = ()  # raw header pairs sent after the others (a header sent twice)
     anonymous: bool = False
 
 
@@ -96,7 +97,8 @@ def _complete(sent: list[dict]) -> bool:
 async def _stream_once(state: WaitState, stream: Stream, mark: str) -> httpx.Response:
     """Open the stream, write its events once it started, read until they arrived, then go away."""
     key = None if stream.anonymous else stream.key or state.base.key
-    app, gone, sent = asgi_request("/v1/events/stream", stream.query, key, headers=STREAM_ACCEPT | stream.headers)
+    headers = STREAM_ACCEPT | stream.headers
+    app, gone, sent = asgi_request("/v1/events/stream", stream.query, key, headers=headers, repeated=stream.repeated)
     await _until(lambda: _complete(sent) or b"retry:" in _body(sent), "the answer or the stream's start")
     if not _complete(sent):
         await longpoll.db(_write, state, stream.writes, mark)
@@ -170,6 +172,9 @@ CASES = {
     "a read-only key": lambda s: [Stream(key=s.base.read_only_key, writes=TICKS)],
     "bad cursor": lambda s: [Stream("after=nonsense")],
     "bad Last-Event-ID": lambda s: [Stream(headers={"Last-Event-ID": "1-x"})],
+    "Last-Event-ID twice": lambda s: [
+        Stream(headers={"Last-Event-ID": "0-0"}, repeated=((b"last-event-id", b"0-0"),), writes=TICKS)
+    ],
     "unknown run": lambda s: [Stream(f"runId={UNKNOWN}")],
     "malformed run": lambda s: [Stream("runId=nonsense")],
     "foreign run": lambda s: [Stream(f"runId={s.base.foreign_run_id}")],

@@ -10,14 +10,15 @@ pool (``selectors.event_head_query``). Then the frames come from the process's s
 the view's streams and the hot path's alike), and the router writes each piece straight to
 the ASGI ``send`` (``HotRouter``).
 
-Declined to the view, before anything is counted: a malformed cursor (its ``400``), a run
+Declined to the view, before anything is counted: a malformed cursor or ``Last-Event-ID``
+sent twice (its ``400``), a run
 id that is malformed or, cached, not the caller's (its ``404``). A run the thread hop does
 not find, or no pooled connection for the head, leaves the request, counted already, to the
 view (its ``404``; its read).
 """
 
 from coordination import exceptions, selectors
-from coordination.api import edge, waits
+from coordination.api import waits
 from coordination.api.hot import db
 from coordination.api.hot.endpoints import Call, Endpoint
 from coordination.api.sse import event_stream_response, releasing
@@ -33,7 +34,10 @@ class EventStream(Endpoint):
     media = Endpoint.media | {b"text/event-stream"}
 
     def accepts(self, call: Call) -> bool:  # noqa: D102 - a malformed cursor, a run it cannot show: the view
-        last_event_id = edge.header(call.scope, b"last-event-id").decode("latin-1") or None
+        sent = [value for name, value in call.scope["headers"] if name.lower() == b"last-event-id"]
+        if len(sent) > 1:  # the view reads them joined by commas (a malformed cursor)
+            return False
+        last_event_id = sent[0].decode("latin-1") if sent else None
         after = stream.stream_after(last_event_id, call.data)
         run_id = call.data.get("runId")
         try:
