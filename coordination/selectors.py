@@ -327,9 +327,22 @@ def event_head(visibility: Visibility) -> str:
     An event of a transaction still running has a txid above this cursor (it is at or above
     the horizon), so a reader starting here still receives it once it commits.
     """
-    queryset = _below_event_horizon(Event.objects.filter(project_id=visibility.project_id))
-    last = queryset.order_by("-txid", "-id").only("id", "txid").first()
-    return event_cursor(last) if last is not None else EVENT_CURSOR_START
+    return event_head_cursor(list(event_head_query(visibility.project_id)))
+
+
+def event_head_query(project_id: uuid.UUID) -> QuerySet:
+    """Return the query of the head: the ``(txid, id)`` of the project's last event a reader may see now, if any.
+
+    One statement: ``event_head``, ``event_feed_head`` and the hot path's event stream (on its
+    pool, ``coordination/api/hot/stream.py``) run it.
+    """
+    queryset = _below_event_horizon(Event.objects.filter(project_id=project_id))
+    return queryset.order_by("-txid", "-id").values_list("txid", "id")[:1]
+
+
+def event_head_cursor(rows: list[tuple[int, int]]) -> str:
+    """Return the cursor of ``event_head_query``'s rows (the start of the log when there are none)."""
+    return f"{rows[0][0]}-{rows[0][1]}" if rows else EVENT_CURSOR_START
 
 
 def event_feed(after: tuple[int, int], limit: int, project_ids: Iterable[uuid.UUID]) -> list[Event]:
@@ -347,13 +360,8 @@ def event_feed(after: tuple[int, int], limit: int, project_ids: Iterable[uuid.UU
 
 def event_feed_head(project_id: uuid.UUID) -> tuple[int, int]:
     """Return the position after the last event of the project a reader may see now."""
-    last = (
-        _below_event_horizon(Event.objects.filter(project_id=project_id))
-        .order_by("-txid", "-id")
-        .values_list("txid", "id")
-        .first()
-    )
-    return (last[0], last[1]) if last is not None else (0, 0)
+    rows = list(event_head_query(project_id))
+    return (rows[0][0], rows[0][1]) if rows else (0, 0)
 
 
 def event_position(cursor: str) -> tuple[int, int]:

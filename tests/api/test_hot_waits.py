@@ -50,7 +50,7 @@ from tests.api.test_hot_path import (
 )
 from tests.api.test_process_cache import caches_on
 from tests.api.test_wait_render_once import undecided_group
-from tests.operator.live import asgi_http_scope
+from tests.concurrency.test_coalesced_waits import asgi_request
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -416,26 +416,10 @@ def test_a_hot_waiter_whose_client_leaves_leaves_nothing_behind(api_process):  #
     api_key_id = _key_id(state.base.key)
 
     async def run():
-        from runstate_project.asgi import application
-
         await (await hot_db.pool()).wait(timeout=30)
         parked = _parked()
-        gone = asyncio.Event()
-        pending = [{"type": "http.request", "body": b"", "more_body": False}]
-        sent = []
-
-        async def receive():
-            if pending:
-                return pending.pop()
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = asgi_http_scope(path, "timeoutMs=20000", [(b"authorization", f"Bearer {state.base.key}".encode())])
         try:
-            app = asyncio.create_task(application(scope, receive, send))
+            app, gone, sent = asgi_request(path, "timeoutMs=20000", state.base.key)
             await _until(lambda: _parked() == parked + 1, "the waiter parked")
             assert longpoll.watches() and waits.waits_held(api_key_id=api_key_id) == 1
             gone.set()

@@ -134,13 +134,21 @@ def test_a_wait_arriving_after_the_decision_is_answered_by_its_first_read(api, p
     assert response.status_code == 200 and response.json()["state"] == "RELEASED"
 
 
-def asgi_request(path: str, query: str, key: str):
-    """Call the ASGI application for a GET; return (task, disconnect event, sent messages)."""
+def asgi_request(path: str, query: str, key: str | None, *, headers: dict | None = None, repeated=(), send=None):
+    """Call the ASGI application for a GET; return (task, disconnect event, sent messages).
+
+    ``headers`` are sent beside the key's (``key`` None: none), then ``repeated`` (raw
+    ``(name, value)`` pairs, a name possibly again); ``send(message)``, if given, is
+    awaited after each message is kept (a reader that takes its time).
+    """
     from runstate_project.asgi import application
 
     disconnect = asyncio.Event()
     sent: list[dict] = []
     received = []
+    named = {} if key is None else {"authorization": f"Bearer {key}"}
+    named |= {name.lower(): value for name, value in (headers or {}).items()}
+    pairs = [(name.encode(), value.encode()) for name, value in named.items()] + list(repeated)
 
     async def receive():
         if not received:
@@ -149,11 +157,13 @@ def asgi_request(path: str, query: str, key: str):
         await disconnect.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message):
+    async def keep(message):
         sent.append(message)
+        if send is not None:
+            await send(message)
 
-    scope = asgi_http_scope(path, query, [(b"authorization", f"Bearer {key}".encode())])
-    return asyncio.create_task(application(scope, receive, send)), disconnect, sent
+    scope = asgi_http_scope(path, query, pairs)
+    return asyncio.create_task(application(scope, receive, keep)), disconnect, sent
 
 
 async def until(condition, what: str, timeout_s: float = 30.0) -> None:

@@ -10,7 +10,10 @@ and the batch forms ``POST /v1/claims/complete|renew`` and
 query checked by its serializer's fields, a place among the key's waits, the first read one
 statement, and a wait parked on the event loop on the watch the view's waiters use,
 answered with the bytes rendered once for every waiter of the same read; the client going
-away cancels it, as Django's handler cancels an async view). For each request:
+away cancels it, as Django's handler cancels an async view); and the event stream
+``GET /v1/events/stream`` (``stream``: the same checks, the head of the log one statement,
+then the frames of the process's shared feed written to the ASGI ``send`` piece by piece,
+the place given back however the stream ends). For each request:
 
 1. the route is Django's own (``resolve``), and the key is the process cache's
    (``api_key_authenticate(cached_only=True)``) with the permission the view needs;
@@ -62,7 +65,8 @@ path, not DRF, answered. With tracing on (an in-memory exporter, the psycopg ins
 it compares the span trees and the contexts the tasks store as well.
 ``tests/api/test_hot_waits.py`` does the same for the waits (decided before, decided while
 waiting with a DRF waiter on the same watch, timeout, unknown, foreign project, bound key,
-invalid query, rate limited, the waits cap), and races waiters against a decision.
+invalid query, rate limited, the waits cap), and races waiters against a decision;
+``tests/api/test_hot_stream.py`` for the event stream (status, headers and the bytes streamed).
 """
 
 import asyncio
@@ -88,7 +92,7 @@ from coordination import exceptions
 from coordination.api import edge, errors
 from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
-from coordination.api.hot import db, endpoints, waits
+from coordination.api.hot import db, endpoints, stream, waits
 from coordination.api.hot.endpoints import Call, Endpoint
 from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
 from coordination.services.keys import api_key_authenticate
@@ -98,10 +102,12 @@ from coordination.tracing import request_trace, tracing_on
 # handed to the views (``careful``, after its statement touched no row; ``declined``, before
 # anything): tests read it.
 SERVED: Counter = Counter()
-ENDPOINTS: dict[type, Endpoint] = {**endpoints.ENDPOINTS, **waits.ENDPOINTS}
-_SUFFIXES = ("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch", "/result", "/wait", "/events")
+ENDPOINTS: dict[type, Endpoint] = {**endpoints.ENDPOINTS, **waits.ENDPOINTS, **stream.ENDPOINTS}
+_SUFFIXES = (
+    *("/complete", "/fail", "/release", "/renew", "/claims", "/tasks", "/batch"),
+    *("/result", "/wait", "/events", "/stream"),
+)
 _METHODS = {endpoint.method for endpoint in ENDPOINTS.values()}
-_PLAIN_ACCEPT = {b"", b"*/*", b"application/json"}
 _renderer = JSONRenderer()
 
 
@@ -175,7 +181,7 @@ class HotRouter:
                 edge.header(scope, b"tracestate").decode("latin-1") or None,
             )
             data = self._query(endpoint, scope) if endpoint.waits else self._body(endpoint, body)
-            call = Call(api_key, match.kwargs, data, trace)
+            call = Call(api_key, match.kwargs, data, trace, scope=scope)
             if not endpoint.accepts(call):
                 raise _Declined()
         except _Declined:
@@ -198,7 +204,11 @@ class HotRouter:
         async def answer():
             response = await self._handler.respond(request)
             try:
-                await self.fallback.send_response(response, send)
+                frames = getattr(response, "hot_frames", None)
+                if frames is None:
+                    await self.fallback.send_response(response, send)
+                else:
+                    await _send_stream(response, frames, send)
             finally:
                 response.close()
 
@@ -245,7 +255,7 @@ class HotRouter:
     @staticmethod
     def _plain_headers(scope, endpoint: Endpoint) -> bool:
         """Tell whether the request asks for plain JSON and, where a body is read, sends it; and fits the limit."""
-        if edge.header(scope, b"accept").strip().lower() not in _PLAIN_ACCEPT:
+        if edge.header(scope, b"accept").strip().lower() not in endpoint.media:
             return False
         declared = edge.header(scope, b"content-length")
         if endpoint.waits:  # no body at all (a GET without Content-Length, a POST with 0)
@@ -338,6 +348,22 @@ async def _read_body(receive) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def _send_stream(response, frames, send) -> None:
+    """Send a stream's head (as Django's ``send_response`` would), then each piece of ``frames`` as it comes.
+
+    No wrapper between the shared feed and ``send``: one message per piece. ``frames`` is
+    closed however the stream ends (the client gone: this is cancelled), which gives its
+    place back and leaves the feed.
+    """
+    headers = [(key.encode("ascii"), value.encode("latin1")) for key, value in response.items()]
+    headers += [(b"Set-Cookie", cookie.OutputString().encode("ascii")) for cookie in response.cookies.values()]
+    async with contextlib.aclosing(frames):
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        async for piece in frames:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+    await send({"type": "http.response.body"})
 
 
 def _replaying(body: bytes, receive):

@@ -63,6 +63,7 @@ class Call:
     run_id: Any = None
     span: Any = None
     target: Any = None  # a wait's object id, parsed
+    scope: dict | None = None  # the ASGI scope (a header the endpoint reads: the stream's ``Last-Event-ID``)
 
     @property
     def project_id(self):
@@ -129,6 +130,8 @@ class Endpoint:
     traced = False
     method = "POST"
     waits = False
+    # The ``Accept`` headers it serves (the view answers any other: its negotiation decides).
+    media = frozenset({b"", b"*/*", b"application/json"})
 
     def accepts(self, call: Call) -> bool:
         """Tell whether the hot path can answer ``call`` as the view would (else the view answers)."""

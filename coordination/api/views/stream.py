@@ -81,8 +81,7 @@ class EventStreamView(AsyncApiView):
 
     async def frames(self, request, query, visibility):
         """Return the stream's frames: check the cursor and the run now, stream from the shared feed."""
-        after = request.headers.get("Last-Event-ID") or query.get("after") or None
-        types = [t for t in (query.get("types") or "").split(",") if t]
+        after = stream_after(request.headers.get("Last-Event-ID"), query)
         run_id = query.get("runId")
 
         def start() -> tuple[str, str | None]:
@@ -98,28 +97,43 @@ class EventStreamView(AsyncApiView):
         # From here on the stream borrows a connection (and a thread) only for its own
         # catch-up reads.
         await park()
+        return stream_frames(visibility, query, cursor=cursor, run_path=run_path)
 
-        def catch_up(after_cursor: str):
-            return selectors.event_list(visibility, after=after_cursor, types=types, run_id=run_id, limit=BATCH)
 
-        project_id, bound_path, wanted = visibility.project_id, visibility.bound_path, frozenset(types)
+def stream_after(last_event_id: str | None, query: dict) -> str | None:
+    """Return the cursor a stream starts after: ``Last-Event-ID``, else ``?after=``, else None (new events only)."""
+    return last_event_id or query.get("after") or None
 
-        def matches(event) -> bool:
-            # What event_list selects, for the events of the shared feed.
-            return (
-                event.project_id == project_id
-                and (not wanted or event.type in wanted)
-                and (bound_path is None or event.run_path.startswith(bound_path))
-                and (run_path is None or event.run_path.startswith(run_path))
-            )
 
-        return feed_frames(
-            project_id=project_id,
-            after=cursor,
-            catch_up=catch_up,
-            matches=matches,
-            present=present if bound_path is None else present_bound,
+def stream_frames(visibility, query: dict, *, cursor: str, run_path: str | None):
+    """Return the frames of a stream checked already (``cursor`` well formed, the run visible), from the shared feed.
+
+    The view and the hot path (``coordination/api/hot/stream.py``) both stream through here.
+    """
+    types = [t for t in (query.get("types") or "").split(",") if t]
+    run_id = query.get("runId")
+
+    def catch_up(after_cursor: str):
+        return selectors.event_list(visibility, after=after_cursor, types=types, run_id=run_id, limit=BATCH)
+
+    project_id, bound_path, wanted = visibility.project_id, visibility.bound_path, frozenset(types)
+
+    def matches(event) -> bool:
+        # What event_list selects, for the events of the shared feed.
+        return (
+            event.project_id == project_id
+            and (not wanted or event.type in wanted)
+            and (bound_path is None or event.run_path.startswith(bound_path))
+            and (run_path is None or event.run_path.startswith(run_path))
         )
+
+    return feed_frames(
+        project_id=project_id,
+        after=cursor,
+        catch_up=catch_up,
+        matches=matches,
+        present=present if bound_path is None else present_bound,
+    )
 
 
 # Module functions, not made per request: the shared feed renders each event once per presenter
