@@ -344,6 +344,59 @@ async def _send(requests) -> list[httpx.Response]:
         await hot_db.close()
 
 
+class AsgiClient:
+    """What DRF's ``APIClient`` offers the matrices (``get``, ``post``, ``put``, ``patch``), through the ASGI app.
+
+    Each request goes through ``runstate_project.asgi.application`` on one event loop kept for
+    the client's life, with ``key`` (which the caller caches: ``_cached_key``), so the hot path
+    serves what it would in a running API process. Its answers are ``httpx.Response`` objects (the
+    ``status_code``, ``content`` and ``json()`` the matrices read). ``close`` closes the hot pool.
+    """
+
+    def __init__(self, key: str) -> None:
+        self._runner = asyncio.Runner()
+        self._authorization = f"Bearer {key}"
+        self._client = self._runner.run(self._open())
+
+    @staticmethod
+    async def _open() -> httpx.AsyncClient:
+        from runstate_project.asgi import application
+
+        # The pool's first connection before the first request (see ``_send``).
+        await (await hot_db.pool()).wait(timeout=30)
+        transport = httpx.ASGITransport(app=application)
+        return httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60)
+
+    def request(self, method: str, path: str, data=None, format=None) -> httpx.Response:
+        """Send ``data`` as JSON (None: no body), as ``APIClient`` does with ``format="json"``."""
+        headers = {"Authorization": self._authorization}
+        content = None
+        if data is not None:
+            content = json.dumps(data).encode()
+            headers["Content-Type"] = "application/json"
+        return self._runner.run(self._client.request(method.upper(), path, content=content, headers=headers))
+
+    def get(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102 - as APIClient's
+        return self.request("GET", path, data)
+
+    def post(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102
+        return self.request("POST", path, data)
+
+    def put(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102
+        return self.request("PUT", path, data)
+
+    def patch(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102
+        return self.request("PATCH", path, data)
+
+    def close(self) -> None:
+        """Close the client, the hot pool and the event loop."""
+        try:
+            self._runner.run(self._client.aclose())
+            self._runner.run(hot_db.close())
+        finally:
+            self._runner.close()
+
+
 def answered(settings, hot_on: bool, build, fresh=fresh_state) -> tuple[list[tuple], int]:
     """Answer ``build(fresh())``'s requests with the hot path on or off; return them and how many it served."""
     settings.RUNSTATE_HOT_PATH = hot_on
