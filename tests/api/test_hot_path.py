@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from django.db import connection, transaction
+from django.urls import resolve
 from django.utils import timezone
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
@@ -342,6 +343,16 @@ async def _send(requests) -> list[httpx.Response]:
             ]
     finally:
         await hot_db.close()
+
+
+def hot_endpoint(method: str, path: str) -> hot.endpoints.Endpoint | None:
+    """Return the hot path's endpoint of a request, or None when DRF alone serves it.
+
+    ``path`` may hold a query, or be a schema's template (its ``{parameters}`` are filled).
+    """
+    view = getattr(resolve(re.sub(r"\{[^}]+\}", "x", path.split("?")[0])).func, "cls", None)
+    endpoint = hot.ENDPOINTS.get(view)
+    return endpoint if endpoint is not None and endpoint.method == method.upper() else None
 
 
 class AsgiClient:

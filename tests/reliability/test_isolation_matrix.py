@@ -20,7 +20,6 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import pytest
-from django.urls import resolve
 
 from coordination import selectors
 from coordination.api import hot
@@ -42,6 +41,7 @@ from tests.api.test_hot_path import (
     AsgiClient,
     _cached_key,
     api_process,  # noqa: F401 - the fixture, for the hot path's transport
+    hot_endpoint,
 )
 from tests.conftest import make_client, project_settings
 
@@ -272,13 +272,6 @@ TRANSPORTS = [
     "drf",
     pytest.param("hot", marks=[pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]),
 ]
-
-
-def hot_endpoint(method: str, path: str):
-    """Return the hot path's endpoint for the request, or None when DRF alone serves it."""
-    view = getattr(resolve(path.split("?")[0]).func, "cls", None)
-    endpoint = hot.ENDPOINTS.get(view)
-    return endpoint if endpoint is not None and endpoint.method == method.upper() else None
 
 
 @pytest.fixture
