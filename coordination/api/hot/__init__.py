@@ -62,7 +62,10 @@ path, not DRF, answered. With tracing on (an in-memory exporter, the psycopg ins
 it compares the span trees and the contexts the tasks store as well.
 ``tests/api/test_hot_waits.py`` does the same for the waits (decided before, decided while
 waiting with a DRF waiter on the same watch, timeout, unknown, foreign project, bound key,
-invalid query, rate limited, the waits cap), and races waiters against a decision.
+invalid query, rate limited, the waits cap), and races waiters against a decision. The
+isolation matrix's foreign-project column and a Schemathesis run of the hot operations pass
+through the hot path as well (``tests/reliability``), asserting through ``SERVED`` that it
+took each request.
 """
 
 import asyncio
