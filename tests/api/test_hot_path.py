@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from django.db import connection, transaction
+from django.urls import resolve
 from django.utils import timezone
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
@@ -342,6 +343,69 @@ async def _send(requests) -> list[httpx.Response]:
             ]
     finally:
         await hot_db.close()
+
+
+def hot_endpoint(method: str, path: str) -> hot.endpoints.Endpoint | None:
+    """Return the hot path's endpoint of a request, or None when DRF alone serves it.
+
+    ``path`` may hold a query, or be a schema's template (its ``{parameters}`` are filled).
+    """
+    view = getattr(resolve(re.sub(r"\{[^}]+\}", "x", path.split("?")[0])).func, "cls", None)
+    endpoint = hot.ENDPOINTS.get(view)
+    return endpoint if endpoint is not None and endpoint.method == method.upper() else None
+
+
+class AsgiClient:
+    """What DRF's ``APIClient`` offers the matrices (``get``, ``post``, ``put``, ``patch``), through the ASGI app.
+
+    Each request goes through ``runstate_project.asgi.application`` on one event loop kept for
+    the client's life, with ``key`` (which the caller caches: ``_cached_key``), so the hot path
+    serves what it would in a running API process. Its answers are ``httpx.Response`` objects (the
+    ``status_code``, ``content`` and ``json()`` the matrices read). ``close`` closes the hot pool.
+    """
+
+    def __init__(self, key: str) -> None:
+        self._runner = asyncio.Runner()
+        self._authorization = f"Bearer {key}"
+        self._client = self._runner.run(self._open())
+
+    @staticmethod
+    async def _open() -> httpx.AsyncClient:
+        from runstate_project.asgi import application
+
+        # The pool's first connection before the first request (see ``_send``).
+        await (await hot_db.pool()).wait(timeout=30)
+        transport = httpx.ASGITransport(app=application)
+        return httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60)
+
+    def request(self, method: str, path: str, data=None, format=None) -> httpx.Response:
+        """Send ``data`` as JSON (None: no body), as ``APIClient`` does with ``format="json"``."""
+        headers = {"Authorization": self._authorization}
+        content = None
+        if data is not None:
+            content = json.dumps(data).encode()
+            headers["Content-Type"] = "application/json"
+        return self._runner.run(self._client.request(method.upper(), path, content=content, headers=headers))
+
+    def get(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102 - as APIClient's
+        return self.request("GET", path, data)
+
+    def post(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102
+        return self.request("POST", path, data)
+
+    def put(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102
+        return self.request("PUT", path, data)
+
+    def patch(self, path: str, data=None, format=None) -> httpx.Response:  # noqa: D102
+        return self.request("PATCH", path, data)
+
+    def close(self) -> None:
+        """Close the client, the hot pool and the event loop."""
+        try:
+            self._runner.run(self._client.aclose())
+            self._runner.run(hot_db.close())
+        finally:
+            self._runner.close()
 
 
 def answered(settings, hot_on: bool, build, fresh=fresh_state) -> tuple[list[tuple], int]:

@@ -7,23 +7,42 @@ It has a second column, for a key bound to a run (issue 25): every operation of 
 404 on a sibling's objects, 403 ``PERMISSION_DENIED`` when it reaches the whole project
 (``BOUND_PROJECT_WIDE``), or open with a reason (``BOUND_OPEN``); and allowed on the objects
 of the key's own subtree. A new endpoint fails that column too until it is listed.
+
+The foreign-project column runs twice: through DRF's test client, and through the ASGI
+application (``runstate_project.asgi.application``) with the hot path on and A's key cached
+as a running API process holds it. There every operation the hot path serves
+(``hot.ENDPOINTS``) must enter it and end as ``HOT_FOREIGN`` says (``hot.SERVED``: handed to
+the view after its statement touched no row, or before anything), and every other operation
+must not enter it; a new hot endpoint fails the column until it is listed there.
 """
+
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 
 import pytest
 
+from coordination import selectors
+from coordination.api import hot
 from coordination.models import Barrier, Mailbox, Message, Run, Task, TaskGroup, Timer
 from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.budgets import budget_create, reservation_create
 from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
-from coordination.services.mailboxes import mailbox_ensure
+from coordination.services.keys import ALL_PERMISSIONS
+from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from coordination.services.messages import message_receive, message_send
 from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.quotas import quota_put
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
+from tests.api.test_hot_path import (
+    AsgiClient,
+    _cached_key,
+    api_process,  # noqa: F401 - the fixture, for the hot path's transport
+    hot_endpoint,
+)
 from tests.conftest import make_client, project_settings
 
 pytestmark = pytest.mark.django_db
@@ -96,11 +115,11 @@ def a(project, api):
     mailbox_ensure(project_id=project.id, name="q", mode="QUEUE")
     run = run_create(project_id=project.id)
     group = group_create(project_id=project.id, mailbox_name="jobs", condition="ALL_TERMINAL", parent_scope_id=run.id)
-    return {"group": str(group.id)}
+    return {"group": str(group.id), "run": str(run.id)}
 
 
 def cases(a, b):
-    """(operationId, method, path, body) with B's ids in every id slot."""
+    """(operationId, method, path, body) with B's ids in every id slot; ``body`` None: none sent."""
     return [
         ("barriers_create", "post", "/v1/barriers", {"runId": b["run"], "target": 1}),
         ("barriers_retrieve", "get", f"/v1/barriers/{b['barrier']}", None),
@@ -151,7 +170,7 @@ def cases(a, b):
         ("timers_create", "post", "/v1/timers", {"runId": b["run"], "afterSeconds": 1}),
         ("timers_retrieve", "get", f"/v1/timers/{b['timer']}", None),
         ("timers_cancel", "post", f"/v1/timers/{b['timer']}/cancel", {}),
-        ("timers_wait", "post", f"/v1/timers/{b['timer']}/wait?timeoutMs=0", {}),
+        ("timers_wait", "post", f"/v1/timers/{b['timer']}/wait?timeoutMs=0", None),
         ("runs_admission_retrieve", "get", f"/v1/runs/{b['run']}/admission", None),
         ("runs_admission_configure", "put", f"/v1/runs/{b['run']}/admission", {"maxActive": 1}),
         ("runs_admissions_create", "post", f"/v1/runs/{b['run']}/admissions", {}),
@@ -187,9 +206,14 @@ def per_item_cases(b):
     ]
 
 
-def assert_per_item_not_found(client, b):
+def call(client, method, path, body):
+    return getattr(client, method)(path, body, format="json") if body is not None else getattr(client, method)(path)
+
+
+def assert_per_item_not_found(client, b, entered=lambda operation, method, path: nullcontext()):
     for operation, path, body in per_item_cases(b):
-        response = client.post(path, body, format="json")
+        with entered(operation, "post", path):
+            response = client.post(path, body, format="json")
         assert response.status_code == 200, (operation, response.status_code, response.content[:300])
         (result,) = response.json()["results"]
         assert result["ok"] is False and result["error"]["code"] == "NOT_FOUND", (operation, result)
@@ -217,17 +241,100 @@ def snapshot(project_id):
     }
 
 
-def test_every_operation_answers_404_for_another_projects_ids(api, a, b, other_project):
+# The hot path's transport: how each operation it serves ends on B's ids (``hot.SERVED``).
+# ``careful``: it read and counted the request, ran its statement (a wait: its first read),
+# which found no row of A's (B's claim, task, group, barrier or timer), and handed it to the
+# view in one thread hop; ``declined``: it handed it over before anything, as the fallback
+# rule says of a run the key cannot see (B's, though the process holds its ref).
+HOT_FOREIGN = {
+    "barriers_wait": "careful",
+    "claims_complete": "careful",
+    "claims_fail": "careful",
+    "claims_release": "careful",
+    "claims_renew": "careful",
+    "claims_complete_batch": "careful",
+    "claims_renew_batch": "careful",
+    "claims_create": "declined",
+    "events_list": "declined",
+    "groups_wait": "careful",
+    "tasks_result": "careful",
+    "tasks_submit": "declined",
+    "tasks_submit_batch": "declined",
+    "timers_wait": "careful",
+}
+
+# The control: A's own submit, with the same key and mailbox, which the hot path serves itself
+# (so a ``declined`` above is B's run's doing, not something the cache lacked).
+OWN_SUBMIT = "tasks_submit on A's own run"
+HOT_OWN = {OWN_SUBMIT: "Submit"}
+
+TRANSPORTS = [
+    "drf",
+    pytest.param("hot", marks=[pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]),
+]
+
+
+@pytest.fixture
+def foreign_caller(request, transport, project, other_project, api, a, b):
+    """A's client for the foreign-project column, and a check of what the hot path did with each request.
+
+    ``drf``: the ``api`` test client; the hot path never sees its requests. ``hot``: the ASGI
+    application with the hot path on, A's key and mailbox cached and B's run too (one process
+    serves both projects), as a running API process holds them.
+    """
+    if transport == "drf":
+        yield api, lambda served, operation, endpoint: served == Counter()
+        return
+    request.getfixturevalue("api_process")
+    client = AsgiClient(_cached_key(project, permissions=ALL_PERMISSIONS))
+    mailbox_get(project_id=project.id, name="jobs")
+    selectors.run_ref(selectors.Visibility(project_id=project.id), a["run"])
+    selectors.run_ref(selectors.Visibility(project_id=other_project.id), b["run"])
+
+    def as_expected(served, operation, endpoint):
+        if endpoint is None:
+            return served == Counter()
+        return served == Counter({{**HOT_FOREIGN, **HOT_OWN}[operation]: 1})
+
+    try:
+        yield client, as_expected
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_operation_answers_404_for_another_projects_ids(api, a, b, other_project, transport, foreign_caller):
+    client, as_expected = foreign_caller
     matrix = cases(a, b)
     covered = {operation for operation, *_ in matrix} | {operation for operation, *_ in per_item_cases(b)}
     assert covered | set(NO_FOREIGN_IDS) == schema_operations(api), "the isolation matrix is out of date"
+    sent = [(operation, method, path) for operation, method, path, _ in matrix]
+    sent += [(operation, "post", path) for operation, path, _ in per_item_cases(b)]
+    endpoints = {operation: hot_endpoint(method, path) for operation, method, path in sent}
+    hot_views = {operation: endpoint.view for operation, endpoint in endpoints.items() if endpoint is not None}
+    assert set(hot_views) == set(HOT_FOREIGN), "HOT_FOREIGN is out of date"
+    assert set(hot_views.values()) == set(hot.ENDPOINTS), "an endpoint of the hot path is not in the matrix"
+
+    @contextmanager
+    def entered(operation, method, path):
+        before = Counter(hot.SERVED)
+        yield
+        served = Counter(hot.SERVED)
+        served.subtract(before)
+        served = +served
+        assert as_expected(served, operation, hot_endpoint(method, path)), (operation, dict(served))
+
     before = snapshot(other_project.id)
     for operation, method, path, body in matrix:
-        response = getattr(api, method)(path, body, format="json") if body is not None else api.get(path)
+        with entered(operation, method, path):
+            response = call(client, method, path, body)
         assert response.status_code == 404, (operation, response.status_code, response.content[:300])
         assert response.json()["error"]["code"] == "NOT_FOUND", operation
-    assert_per_item_not_found(api, b)
+    assert_per_item_not_found(client, b, entered)
     assert snapshot(other_project.id) == before, "a refused call changed another project's objects"
+    with entered(OWN_SUBMIT, "post", "/v1/mailboxes/jobs/tasks"):
+        response = call(client, "post", "/v1/mailboxes/jobs/tasks", {"runId": a["run"], "input": {}})
+    assert response.status_code == 201, response.content[:300]
 
 
 def test_lists_never_show_another_projects_objects(api, a, b):
@@ -267,10 +374,6 @@ BOUND_OPEN = {
 NOT_CALLED_INSIDE = {
     "events_stream": "an endless stream; a bound key's stream is tested in tests/api/test_events.py",
 }
-
-
-def call(client, method, path, body):
-    return getattr(client, method)(path, body, format="json") if body is not None else client.get(path)
 
 
 @pytest.mark.django_db(transaction=True)  # the long-polls inside the subtree read through other connections

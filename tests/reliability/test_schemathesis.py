@@ -16,8 +16,16 @@ fresh world, so one operation's changes (a cancelled run) never decide another's
 
 Long-polls are called with a tiny timeout and the event stream is read for half a second;
 examples are bounded and derandomized, and Hypothesis keeps no example database.
+
+The operations the hot path serves (``coordination/api/hot``: ``hot.ENDPOINTS``) are fuzzed a
+second time in-process, through the ASGI application itself (Schemathesis' ASGI transport)
+with the hot path on and the world's key, mailboxes and run cached as a running API process
+holds them: the same checks, with the coverage phase. ``hot.SERVED`` shows that every
+request entered the hot path (served there, or handed to its view), and that the hot path
+itself answered some of each operation's.
 """
 
+import asyncio
 import json
 import re
 import uuid
@@ -39,23 +47,33 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from coordination.models import Event
+from coordination import selectors
+from coordination.api import hot
+from coordination.api.hot import db as hot_db
+from coordination.models import Event, Run
 from coordination.selectors import event_cursor
 from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.claims import task_claim
 from coordination.services.groups import group_create, group_submit
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
-from coordination.services.mailboxes import mailbox_ensure
+from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from coordination.services.messages import message_receive, message_send
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
+from tests.api.test_hot_path import (
+    _cached_key,
+    api_process,  # noqa: F401 - the fixture, for the hot path's run
+    hot_endpoint,
+)
 from tests.operator.live import uvicorn_server
 
 # Long enough for a slow shared machine, short enough for the whole file to run in minutes.
 MAX_EXAMPLES = 10
 KEYLESS_MAX_EXAMPLES = 5
+# The hot operations through the ASGI application (after the coverage phase's examples).
+HOT_MAX_EXAMPLES = 10
 # A long-poll waits at most this long (ms); generated values above it are lowered to it.
 TINY_WAIT_MS = 20
 # The event stream is read for this long (s) before the client lets it go.
@@ -96,9 +114,20 @@ def load_schema(*, max_examples: int, coverage: bool):
     return schemathesis.openapi.from_dict(served_schema(), config=config)
 
 
+def hot_operation_ids() -> set[str]:
+    """The operationIds of the operations the hot path serves."""
+    return {
+        operation["operationId"]
+        for path, item in served_schema()["paths"].items()
+        for method, operation in item.items()
+        if hot_endpoint(method, path) is not None
+    }
+
+
 schema = load_schema(max_examples=MAX_EXAMPLES, coverage=True)
 # Without a valid key every answer is the same 401: fewer examples say as much.
 keyless_schema = load_schema(max_examples=KEYLESS_MAX_EXAMPLES, coverage=False)
+hot_schema = load_schema(max_examples=HOT_MAX_EXAMPLES, coverage=True).include(operation_id=sorted(hot_operation_ids()))
 
 # Requests made and answers by status class, per key kind (printed at the end of the module).
 FIGURES: Counter = Counter()
@@ -186,22 +215,22 @@ def coin(*values) -> bool:
     return zlib.crc32(repr(values).encode()) % 2 == 0
 
 
-def use_real_ids(case, world: dict) -> None:
-    """Swap generated ids for seeded ones where a coin says so (positive cases only)."""
+def use_real_ids(case, world: dict, swap=coin) -> None:
+    """Swap generated ids for seeded ones where ``swap`` (a coin) says so (positive cases only)."""
     if case.meta is not None and case.meta.generation.mode != GenerationMode.POSITIVE:
         return
     path = case.operation.path
     for name in list(case.path_parameters or {}):
         value = real_path_value(path, name, world)
-        if value is not None and coin(name, case.path_parameters[name]):
+        if value is not None and swap(name, case.path_parameters[name]):
             case.path_parameters[name] = value
     for container in (case.query, case.body):
         if not isinstance(container, dict):
             continue
         for field, world_name in REAL_FIELD.items():
-            if field in container and coin(field, container[field]):
+            if field in container and swap(field, container[field]):
                 container[field] = world[world_name]
-        if container is case.body and "mailbox" in container and coin("mailbox", container["mailbox"]):
+        if container is case.body and "mailbox" in container and swap("mailbox", container["mailbox"]):
             container["mailbox"] = "work"
 
 
@@ -303,3 +332,87 @@ def test_a_method_no_path_documents_is_405_with_an_envelope(server, world):
                 assert response.headers["Content-Type"] == "application/json", (method, path, response.text[:200])
                 assert response.json()["error"]["code"] == "METHOD_NOT_ALLOWED", (method, path)
                 assert {m.upper() for m in item} <= set(response.headers["Allow"].split(", ")), (method, path)
+
+
+# The hot path's run --------------------------------------------------------------------------
+
+
+class HotApplication:
+    """``runstate_project.asgi.application``, noting the event loops it runs on (their hot pools are closed after)."""
+
+    def __init__(self) -> None:
+        from runstate_project.asgi import application
+
+        self.application = application
+        self.loops: set[asyncio.AbstractEventLoop] = set()
+
+    async def __call__(self, scope, receive, send):  # noqa: D102 - the application's
+        self.loops.add(asyncio.get_running_loop())
+        return await self.application(scope, receive, send)
+
+    def close_pools(self) -> None:
+        """Close the hot pool of each loop (Schemathesis keeps its loop running; the test database is dropped)."""
+        for loop in self.loops:
+            asyncio.run_coroutine_threadsafe(hot_db.close(), loop).result(timeout=30)
+        self.loops.clear()
+
+
+@pytest.fixture(scope="module")
+def hot_app():
+    app = HotApplication()
+    try:
+        yield app
+    finally:
+        app.close_pools()
+        print(f"\nschemathesis figures (hot path): {dict(sorted(FIGURES.items()))}")
+
+
+@pytest.fixture
+def hot_world(api_process, hot_app):  # noqa: F811 - the fixture imported above
+    """``world``, its key and what its requests name cached as a running API process has them.
+
+    Yields the world and the tally of what the hot path did with the test's requests; at the
+    end at least one of them was answered by the hot path itself.
+    """
+    world = seed_world()
+    run = Run.objects.get(id=world["run_id"])
+    world["key"] = _cached_key(run.project, permissions=ALL_PERMISSIONS)
+    work = mailbox_get(project_id=run.project_id, name="work")
+    mailbox_get(project_id=run.project_id, name="queue")
+    for n in range(5):  # tasks left to claim after the examples that may wait (the view's) took some
+        task_submit(project_id=run.project_id, mailbox=work, run_id=run.id, input={"n": n})
+    selectors.run_ref(selectors.Visibility(project_id=run.project_id), run.id)
+    tally: Counter = Counter()
+    yield world, tally
+    assert tally["served"] > 0, f"the hot path answered none of the requests itself: {dict(tally)}"
+
+
+@pytest.mark.postgres_only
+@hot_schema.parametrize()
+@settings(max_examples=HOT_MAX_EXAMPLES, **HYPOTHESIS)
+def test_through_the_hot_path_every_answer_conforms(case, hot_app, hot_world):
+    world, tally = hot_world
+    # Every positive case names the seeded objects: unknown ids on the hot path are the
+    # business of its equivalence suite (tests/api/test_hot_path.py) and the isolation matrix.
+    use_real_ids(case, world, swap=lambda *values: True)
+    keep_waits_tiny(case)
+    headers = authorization_for(case, "valid", world)
+    before = Counter(hot.SERVED)
+    FIGURES["requests (hot path)"] += 1
+    response = case.call(app=hot_app, headers=headers, timeout=REQUEST_TIMEOUT_S)
+    FIGURES[f"{response.status_code // 100}xx (hot path)"] += 1
+    served = Counter(hot.SERVED)
+    served.subtract(before)
+    kinds = sorted(+served)
+    if (
+        hot_endpoint(case.method, case.operation.path) is None  # the coverage phase's other methods
+        or (response.status_code == 404 and response.json()["error"]["message"] == "No such endpoint.")
+        or response.status_code == 413  # refused before a byte is read, as ApiASGIHandler refuses it
+    ):
+        assert kinds == [], (case.operation.label, case.method, kinds)
+    else:
+        assert sum(served.values()) == 1, (case.operation.label, dict(served))
+        (kind,) = kinds
+        tally["served" if kind not in ("declined", "careful") else kind] += 1
+        FIGURES[f"{case.operation.label} (hot path): {kind}"] += 1
+    case.validate_response(response, checks=CHECKS, headers=headers, transport_kwargs={"app": hot_app})

@@ -67,6 +67,9 @@ it compares the span trees and the contexts the tasks store as well.
 waiting with a DRF waiter on the same watch, timeout, unknown, foreign project, bound key,
 invalid query, rate limited, the waits cap), and races waiters against a decision;
 ``tests/api/test_hot_stream.py`` for the event stream (status, headers and the bytes streamed).
+The isolation matrix's foreign-project column and a Schemathesis run of the hot operations pass
+through the hot path as well (``tests/reliability``), asserting through ``SERVED`` that it
+took each request.
 """
 
 import asyncio
