@@ -256,6 +256,7 @@ HOT_FOREIGN = {
     "claims_renew_batch": "careful",
     "claims_create": "declined",
     "events_list": "declined",
+    "events_stream": "declined",  # B's run, cached: not A's (the view answers its 404)
     "groups_wait": "careful",
     "tasks_result": "careful",
     "tasks_submit": "declined",

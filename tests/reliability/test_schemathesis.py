@@ -348,6 +348,8 @@ class HotApplication:
 
     async def __call__(self, scope, receive, send):  # noqa: D102 - the application's
         self.loops.add(asyncio.get_running_loop())
+        if scope.get("path") == "/v1/events/stream":
+            receive = _leaving_after(receive, STREAM_READ_S)
         return await self.application(scope, receive, send)
 
     def close_pools(self) -> None:
@@ -355,6 +357,21 @@ class HotApplication:
         for loop in self.loops:
             asyncio.run_coroutine_threadsafe(hot_db.close(), loop).result(timeout=30)
         self.loops.clear()
+
+
+def _leaving_after(receive, seconds: float):
+    """Return ``receive`` for a client that reads an endless stream for ``seconds``, then goes away."""
+    started = False
+
+    async def leaving():
+        nonlocal started
+        if not started:
+            started = True
+            return await receive()  # the request
+        await asyncio.sleep(seconds)
+        return {"type": "http.disconnect"}
+
+    return leaving
 
 
 @pytest.fixture(scope="module")

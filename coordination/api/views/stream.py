@@ -31,6 +31,22 @@ connection is closed; it reconnects with `Last-Event-ID` and misses nothing. Nee
 """
 
 
+# One event of the stream, as OpenAPI describes ``text/event-stream`` (3.2's ``itemSchema``;
+# on 3.0 and 3.1 the ``schema`` is read as the schema of each event): the parsed fields of a
+# frame. ``data`` is JSON text, the event as ``GET /v1/events`` lists it; the frame that
+# ends a dropped stream has no ``id``.
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "id": {"type": "string", "description": "The event's cursor: resume after it with `Last-Event-ID`."},
+        "event": {"type": "string", "description": "The event's type, or `stream.dropped`."},
+        "data": {"type": "string", "description": "The event as JSON, as `GET /v1/events` lists it."},
+        "retry": {"type": "integer", "minimum": 0},
+    },
+}
+
+
 class EventStreamQuery(serializers.Serializer):
     """Query of ``GET /v1/events/stream``."""
 
@@ -61,7 +77,7 @@ class EventStreamView(AsyncApiView):
         ],
         responses={
             (200, "text/event-stream"): OpenApiResponse(
-                OpenApiTypes.STR, description="An endless stream of `id`/`event`/`data` frames."
+                SSE_EVENT_SCHEMA, description="An endless stream of `id`/`event`/`data` frames."
             ),
             **ERRORS,
         },
