@@ -255,13 +255,18 @@ class ClaimTasks(Endpoint):
         else:
             place = waits.wait_take(api_key_id=call.api_key.id)
             try:
-                claims = await claim_long_poll(
-                    None,
-                    topics=call.run.chain_ids,
-                    timeout_ms=s.clamp_wait_ms(call.data["waitMs"]),
-                    share=("claim", call.project_id, call.mailbox.id, call.run_id),  # the view's watch
-                    on_loop=lambda first: self._attempt(call, hop if first else shared_db),
-                )
+                # The statement alone first: a queue with work answers without a watch to join
+                # and leave. Claiming nothing, the claim joins the watch (subscribed before its
+                # next claim, so a submit after that claim still wakes it) and claims again.
+                claims = await self._attempt(call, None)
+                if not claims:
+                    claims = await claim_long_poll(
+                        None,
+                        topics=call.run.chain_ids,
+                        timeout_ms=s.clamp_wait_ms(call.data["waitMs"]),
+                        share=("claim", call.project_id, call.mailbox.id, call.run_id),  # the view's watch
+                        on_loop=lambda first: self._attempt(call, hop if first else shared_db),
+                    )
             finally:
                 place.release()
         return Response({"claims": [present_claim(claim, call.mailbox.name) for claim in claims]})
@@ -285,8 +290,11 @@ class ClaimTasks(Endpoint):
         rows = sql.models_from_rows(Task, await db.fetch(statement, params))
         return operations.claims_from_rows(rows, call.mailbox, params["lease_until"])
 
-    async def _attempt(self, call: Call, hop: Hop) -> list[Claim]:
-        """Claim once (the statement, then the careful path in ``hop``), run to its end if the client leaves."""
+    async def _attempt(self, call: Call, hop: Hop | None) -> list[Claim]:
+        """Claim once (the statement, then the careful path in ``hop``), run to its end if the client leaves.
+
+        ``hop`` None: the statement alone (nothing claimed when the pool has no connection ready).
+        """
 
         async def claim() -> list[Claim]:
             try:
@@ -295,7 +303,7 @@ class ClaimTasks(Endpoint):
                 claims, after_statement = [], False
             else:
                 after_statement = True
-            if claims:
+            if claims or hop is None:
                 return claims
             return await hop(
                 functools.partial(operations.task_claim, **self._claiming(call), after_statement=after_statement)
