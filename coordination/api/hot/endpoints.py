@@ -227,7 +227,8 @@ class ClaimTasks(Endpoint):
 
     Without a wait the statement answers, or the view (it claimed nothing). A claim that may
     wait (``waitMs`` above 0) takes its place among the key's waits, as the view's
-    ``hold_wait``, and claims as the view's ``longpoll.claim_long_poll`` does, on the same
+    ``hold_wait``, runs the statement once (work queued: answered), then claims as the view's
+    ``longpoll.claim_long_poll`` does, on the same
     watch of rounds (the view's share key and topics): each claim is the statement on the hot
     pool and, when that claims nothing, the careful path in one thread hop (a takeover due, an
     inactive run's refusal: ``task_claim(after_statement=True)``). Parked, it holds no thread
