@@ -334,7 +334,12 @@ async def long_poll[T](
 
 
 async def claim_long_poll[T](
-    claim: Callable[[], list[T]], *, topics: Iterable[object], timeout_ms: int, share: Hashable
+    claim: Callable[[], list[T]] | None,
+    *,
+    topics: Iterable[object],
+    timeout_ms: int,
+    share: Hashable,
+    on_loop: Callable[[bool], Awaitable[list[T]]] | None = None,
 ) -> list[T]:
     """Call ``claim`` until it claims something or ``timeout_ms`` passes; return the last answer.
 
@@ -343,29 +348,46 @@ async def claim_long_poll[T](
     at a time, and the first to find nothing ends the round for the others, who wait for the
     next one. One submitted task then costs one claim, plus one that finds nothing, not one
     per waiting claimer. A refusal (the run cancelled) is each claimer's own answer.
+
+    ``on_loop(first)``, when given, claims instead of ``claim`` (None then): a coroutine on the
+    event loop (the hot path's statement on its async pool, ``coordination/api/hot/endpoints.py``),
+    ``first`` telling whether it is the request's first claim. The view's claimers and the
+    hot path's of one run and mailbox share the watch (the same ``share`` key) and its rounds;
+    a claimer on the loop has no connection or thread to give back before it parks.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_ms / 1000
     watch = _join(share, None, topics, None)
+
+    async def claiming(first: bool) -> list[T]:
+        if on_loop is not None:
+            return await on_loop(first)
+        return await (in_request(claim) if first else shared_db(claim))
+
     try:
-        claims = await in_request(claim)
+        claims = await claiming(True)
         if claims or timeout_ms <= 0:
             return claims
         watch.offer(None)
-        await park()
-        while True:
-            came, _ = await watch.next_read(deadline - loop.time())
-            if not came:
-                return claims
-            async with watch.lock:
-                # Every wake-up counted so far was notified before this claim starts, so an
-                # empty answer covers them all.
-                latest = watch.reads
-                if watch.spent_round >= latest:
-                    continue  # another claimer found nothing since the last wake-up
-                claims = await shared_db(claim)
-                if claims:
+        if on_loop is None:
+            await park()
+        metrics.WAITERS_PARKED.inc()
+        try:
+            while True:
+                came, _ = await watch.next_read(deadline - loop.time())
+                if not came:
                     return claims
-                watch.spent_round = max(watch.spent_round, latest)
+                async with watch.lock:
+                    # Every wake-up counted so far was notified before this claim starts, so an
+                    # empty answer covers them all.
+                    latest = watch.reads
+                    if watch.spent_round >= latest:
+                        continue  # another claimer found nothing since the last wake-up
+                    claims = await claiming(False)
+                    if claims:
+                        return claims
+                    watch.spent_round = max(watch.spent_round, latest)
+        finally:
+            metrics.WAITERS_PARKED.dec()
     finally:
         _leave(watch)

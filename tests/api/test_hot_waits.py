@@ -393,13 +393,8 @@ def test_the_waits_cap_is_the_views(api_process):  # noqa: F811
         path, _, headers, _ = group(state, state.open_group, "?timeoutMs=20000")
 
         async def run():
-            parked = _parked()
             async with app_client() as client:
-                first = asyncio.ensure_future(client.get(path, headers=headers))
-                await _until(lambda: _parked() == parked + 1, "the first waiter parked")
-                second = await client.get(path, headers=headers)
-                first.cancel()
-                return second
+                return await refused_while_one_waits(lambda: client.get(path, headers=headers))
 
         return normalized([asyncio.run(run())])[0]
 
@@ -407,6 +402,16 @@ def test_the_waits_cap_is_the_views(api_process):  # noqa: F811
     assert hot_answer == drf_answer
     assert hot_answer[0] == 429
     assert json.loads(hot_answer[1])["error"]["code"] == "RATE_LIMITED"
+
+
+async def refused_while_one_waits(send):
+    """Park one wait sent by ``send()``, then return the answer to a second one (the first is cancelled)."""
+    parked = _parked()
+    first = asyncio.ensure_future(send())
+    await _until(lambda: _parked() == parked + 1, "the first wait parked")
+    second = await send()
+    first.cancel()
+    return second
 
 
 def test_a_hot_waiter_whose_client_leaves_leaves_nothing_behind(api_process):  # noqa: F811
@@ -434,6 +439,24 @@ def test_a_hot_waiter_whose_client_leaves_leaves_nothing_behind(api_process):  #
     assert still_parked == 0
     assert waits.waits_held(api_key_id=api_key_id) == 0
     assert hot.SERVED["GroupWait"] == before  # the wait was cancelled, not answered
+
+
+def leaving_client(body: bytes):
+    """Return an ASGI client's ``receive`` and ``send``, what was sent to it, and the event that makes it leave."""
+    gone = asyncio.Event()
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    return receive, send, sent, gone
 
 
 def _key_id(plaintext: str):

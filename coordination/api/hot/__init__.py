@@ -2,7 +2,8 @@
 
 ``HotRouter`` sits in front of ``runstate_project.asgi.ApiASGIHandler`` in the same ASGI
 application. It serves, on PostgreSQL, ``POST /v1/claims/{id}/complete|fail|release|renew``
-and ``POST /v1/mailboxes/{name}/claims`` without a wait and ``POST /v1/mailboxes/{name}/tasks``,
+and ``POST /v1/mailboxes/{name}/claims`` (a claim that may wait parked on the event loop, on
+the view's watch of rounds) and ``POST /v1/mailboxes/{name}/tasks``,
 and the batch forms ``POST /v1/claims/complete|renew`` and
 ``POST /v1/mailboxes/{name}/tasks/batch`` (``endpoints``); and the waits
 ``GET /v1/tasks/{id}/result``, ``GET /v1/groups/{id}/wait``, ``GET /v1/barriers/{id}/wait``,
@@ -33,7 +34,7 @@ key bound to a run (its visibility needs a read), a key whose ``last_used_at`` i
 missing permission, a body or a wait's query the plain validators do not accept (the
 serializer writes the exact error), a malformed id of a waited object, an unusual
 ``Content-Type`` or ``Accept``, a body sent to a wait, a mailbox or run not cached, a claim
-that may wait. When the statement touches no row (lease lost, nothing to claim, a group
+that may wait in a process that traces. When the statement touches no row (lease lost, nothing to claim, a group
 member, an inactive run, a key used before, a waited object that is not there or another
 project's), a wait's first read finds what only a write answers (a group due to be
 finalized, a timer fired, due or cancelled), or no pooled connection is ready within
@@ -41,7 +42,10 @@ finalized, a timer fired, due or cancelled), or no pooled connection is ready wi
 already read and counted, is answered by its DRF view in one thread hop inside the same
 middleware chain (its throttle does not count it again). A claim batch whose statement
 decided some items (committed) and left others answers those others through the service's
-careful path in one thread hop; a batch submit inserts every task or none.
+careful path in one thread hop; a batch submit inserts every task or none. A claim that may
+wait answers no row itself: the careful path claims in one thread hop (or refuses), and
+if it claims nothing either, the claim parks. A claim in flight when its client leaves runs
+to its end and is handed back (``Endpoint.abandon``): nothing stays held for a client gone.
 
 **Tracing.** In a process that traces (``OTEL_*``) the hot path serves the endpoints that
 make their views' spans (``Endpoint.traced``: the claim operations, the claims without a
@@ -66,10 +70,12 @@ it compares the span trees and the contexts the tasks store as well.
 ``tests/api/test_hot_waits.py`` does the same for the waits (decided before, decided while
 waiting with a DRF waiter on the same watch, timeout, unknown, foreign project, bound key,
 invalid query, rate limited, the waits cap), and races waiters against a decision;
-``tests/api/test_hot_stream.py`` for the event stream (status, headers and the bytes streamed).
-The isolation matrix's foreign-project column and a Schemathesis run of the hot operations pass
-through the hot path as well (``tests/reliability``), asserting through ``SERVED`` that it
-took each request.
+``tests/api/test_hot_stream.py`` for the event stream (status, headers and the bytes streamed);
+``tests/api/test_hot_claim_waits.py`` for claims that wait (woken by a submit, the wait run
+out, a cancelled run, rate limited, the waits cap), racing claimers against submits, and a
+client leaving while parked or while its claim commits. The isolation matrix's
+foreign-project column and a Schemathesis run of the hot operations pass through the hot path
+as well (``tests/reliability``), asserting through ``SERVED`` that it took each request.
 """
 
 import asyncio
@@ -112,6 +118,7 @@ _SUFFIXES = (
 )
 _METHODS = {endpoint.method for endpoint in ENDPOINTS.values()}
 _renderer = JSONRenderer()
+_abandoning: set[asyncio.Future] = set()  # ``Endpoint.abandon`` of answers not sent, running
 
 
 def enabled() -> bool:
@@ -194,7 +201,7 @@ class HotRouter:
         request = ASGIRequest(scope, io.BytesIO(body))
         request.resolver_match = match
         request.runstate_hot = (endpoint, call)
-        if endpoint.waits:
+        if endpoint.parks(call):
             return await self._answer_while_connected(request, receive, send)
         response = await self._handler.respond(request)
         await self.fallback.send_response(response, send)
@@ -202,9 +209,15 @@ class HotRouter:
         return None
 
     async def _answer_while_connected(self, request, receive, send) -> None:
-        """Answer a wait; the client going away first cancels it, as Django's handler cancels an async view."""
+        """Answer a wait; the client going away first cancels it, as Django's handler cancels an async view.
+
+        An answer not sent (cancelled, or failed) leaves its endpoint to hand back what it took
+        (``Endpoint.abandon``: a waiting claim's tasks), even if this request is cancelled meanwhile.
+        """
+        sent = False
 
         async def answer():
+            nonlocal sent
             response = await self._handler.respond(request)
             try:
                 frames = getattr(response, "hot_frames", None)
@@ -212,6 +225,7 @@ class HotRouter:
                     await self.fallback.send_response(response, send)
                 else:
                     await _send_stream(response, frames, send)
+                sent = True
             finally:
                 response.close()
 
@@ -220,11 +234,19 @@ class HotRouter:
         try:
             await asyncio.wait([answering, listening], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (answering, listening):
-                task.cancel()
-            for task in (answering, listening):  # the wait has left its watch and place after this
-                with contextlib.suppress(asyncio.CancelledError, RequestAborted):
-                    await task  # an error of the answer is the server's
+            try:
+                for task in (answering, listening):
+                    task.cancel()
+                for task in (answering, listening):  # the wait has left its watch and place after this
+                    with contextlib.suppress(asyncio.CancelledError, RequestAborted):
+                        await task  # an error of the answer is the server's
+            finally:
+                if not sent:
+                    endpoint, call = request.runstate_hot
+                    abandoning = asyncio.ensure_future(endpoint.abandon(call))
+                    _abandoning.add(abandoning)  # kept until done, even if this request is cancelled
+                    abandoning.add_done_callback(_abandoning.discard)
+                    await asyncio.shield(abandoning)
 
     @staticmethod
     def _endpoint(scope) -> tuple[Endpoint, object] | None:

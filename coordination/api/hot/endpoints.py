@@ -4,12 +4,16 @@ Each endpoint names its DRF view (its route, permission, ``Allow`` header and se
 from there), checks what the view would check before it writes (``accepts``: anything it
 cannot decide from the process caches sends the request to the view), builds its statement
 with the service's own function (``coordination.services.claims``) and answers from the rows.
-No rows: the view answers (the careful path).
+No rows: the view answers (the careful path), except for a claim that may wait
+(``ClaimTasks``), which takes the careful path itself and parks on the view's watch.
 
 Under tracing an endpoint serves only if it makes the spans its view makes (``traced``, with
 ``spans`` around the answer); the router leaves every traced request of another to its view.
 """
 
+import asyncio
+import functools
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -21,9 +25,11 @@ from rest_framework.response import Response
 
 from coordination import selectors, tracing
 from coordination.api import serializers as s
+from coordination.api import waits
 from coordination.api.auth import Principal
 from coordination.api.bodies import task_spec
 from coordination.api.hot import db
+from coordination.api.longpoll import claim_long_poll, shared_db
 from coordination.api.presenters import (
     batch_tasks,
     present_claim,
@@ -34,7 +40,7 @@ from coordination.api.presenters import (
 )
 from coordination.api.views import work
 from coordination.models import ApiKey, Mailbox, Task
-from coordination.selectors import Visibility
+from coordination.selectors import RunRef, Visibility
 from coordination.services import dispatch, sql
 from coordination.services import tasks as task_services
 from coordination.services.claims import batches, operations
@@ -42,6 +48,8 @@ from coordination.services.claims.claim import Claim
 from coordination.services.mailboxes import mailbox_cached
 from coordination.states import MailboxMode, TaskState
 from coordination.tracing import NO_TRACE, TraceContext
+
+logger = logging.getLogger(__name__)
 
 # ``hop(fn, *args)``: run ``fn`` in one request thread (ApiASGIHandler.in_thread).
 Hop = Callable[..., Awaitable[Any]]
@@ -64,6 +72,8 @@ class Call:
     span: Any = None
     target: Any = None  # a wait's object id, parsed
     scope: dict | None = None  # the ASGI scope (a header the endpoint reads: the stream's ``Last-Event-ID``)
+    run: RunRef | None = None  # the run a claim or submit names, from the process cache
+    claiming: asyncio.Future | None = None  # a waiting claim's last attempt, run to its end (``ClaimTasks``)
 
     @property
     def project_id(self):
@@ -112,7 +122,7 @@ def _cached_mailbox_and_run(call: Call) -> bool:
         return False
     if run is None:
         return False
-    call.run_id = run.id
+    call.run, call.run_id = run, run.id
     return True
 
 
@@ -136,6 +146,13 @@ class Endpoint:
     def accepts(self, call: Call) -> bool:
         """Tell whether the hot path can answer ``call`` as the view would (else the view answers)."""
         return True
+
+    def parks(self, call: Call) -> bool:
+        """Tell whether ``call``'s answer may wait: the client going away then cancels it (``abandon`` after)."""
+        return self.waits
+
+    async def abandon(self, call: Call) -> None:
+        """Give back what ``call``'s answer took though it was never sent (its client left; nothing here)."""
 
     def spans(self, call: Call) -> AbstractContextManager:
         """Open the view's own spans for ``call``, around the answer and the view's if it answers (none here).
@@ -209,29 +226,108 @@ class Renew(Endpoint):
 
 
 class ClaimTasks(Endpoint):
-    """``POST /v1/mailboxes/{name}/claims`` without a wait (a claim that may wait is the view's long-poll)."""
+    """``POST /v1/mailboxes/{name}/claims``: a claim at once, or one that waits parked on the event loop.
+
+    Without a wait the statement answers, or the view (it claimed nothing). A claim that may
+    wait (``waitMs`` above 0) takes its place among the key's waits, as the view's
+    ``hold_wait``, runs the statement once (work queued: answered), then claims as the view's
+    ``longpoll.claim_long_poll`` does, on the same
+    watch of rounds (the view's share key and topics): each claim is the statement on the hot
+    pool and, when that claims nothing, the careful path in one thread hop (a takeover due, an
+    inactive run's refusal: ``task_claim(after_statement=True)``). Parked, it holds no thread
+    and no connection. In a process that traces, a claim that may wait is its view's.
+
+    A claim in flight when the client leaves runs to its end (``call.claiming``, shielded
+    from the cancel) and ``abandon`` hands back what it claimed (``claim_release``): a claim
+    committed while its client was leaving goes back to the queue at once.
+    """
 
     view, serializer = work.ClaimCollectionView, s.ClaimIn
     traced = True
 
     def accepts(self, call):  # noqa: D102
-        return call.data["waitMs"] == 0 and _cached_mailbox_and_run(call)
+        return not (self.parks(call) and tracing.tracing_on()) and _cached_mailbox_and_run(call)
+
+    def parks(self, call):  # noqa: D102
+        return call.data["waitMs"] > 0
 
     async def answer(self, call, hop):  # noqa: D102
-        mailbox = call.mailbox
-        statement, params = operations.claim_statement(
-            project_id=call.project_id,
-            mailbox=mailbox,
-            run_id=call.run_id,
-            worker_id=call.data["workerId"],
-            lease_ttl_ms=call.data.get("leaseTtlMs"),
-            max_claims=call.data["max"],
-        )
+        if not self.parks(call):
+            claims = await self._claimed(call)
+            if not claims:  # nothing to claim, or a takeover due, or an inactive run: the careful path
+                return None
+        else:
+            place = waits.wait_take(api_key_id=call.api_key.id)
+            try:
+                # The statement alone first: a queue with work answers without a watch to join
+                # and leave. Claiming nothing, the claim joins the watch (subscribed before its
+                # next claim, so a submit after that claim still wakes it) and claims again.
+                claims = await self._attempt(call, None)
+                if not claims:
+                    claims = await claim_long_poll(
+                        None,
+                        topics=call.run.chain_ids,
+                        timeout_ms=s.clamp_wait_ms(call.data["waitMs"]),
+                        share=("claim", call.project_id, call.mailbox.id, call.run_id),  # the view's watch
+                        on_loop=lambda first: self._attempt(call, hop if first else shared_db),
+                    )
+            finally:
+                place.release()
+        return Response({"claims": [present_claim(claim, call.mailbox.name) for claim in claims]})
+
+    @staticmethod
+    def _claiming(call: Call) -> dict:
+        """Return the claim's arguments to ``claim_statement`` and ``task_claim``."""
+        data = call.data
+        return {
+            "project_id": call.project_id,
+            "mailbox": call.mailbox,
+            "run_id": call.run_id,
+            "worker_id": data["workerId"],
+            "lease_ttl_ms": data.get("leaseTtlMs"),
+            "max_claims": data["max"],
+        }
+
+    async def _claimed(self, call: Call) -> list[Claim]:
+        """Run the claim statement on the hot pool; return its claims."""
+        statement, params = operations.claim_statement(**self._claiming(call))
         rows = sql.models_from_rows(Task, await db.fetch(statement, params))
-        claims = operations.claims_from_rows(rows, mailbox, params["lease_until"])
-        if not claims:  # nothing to claim, or a takeover due, or an inactive run: the careful path
-            return None
-        return Response({"claims": [present_claim(claim, mailbox.name) for claim in claims]})
+        return operations.claims_from_rows(rows, call.mailbox, params["lease_until"])
+
+    async def _attempt(self, call: Call, hop: Hop | None) -> list[Claim]:
+        """Claim once (the statement, then the careful path in ``hop``), run to its end if the client leaves.
+
+        ``hop`` None: the statement alone (nothing claimed when the pool has no connection ready).
+        """
+
+        async def claim() -> list[Claim]:
+            try:
+                claims = await self._claimed(call)
+            except db.NoConnection:  # the server down or the pool busy: the service's own path decides
+                claims, after_statement = [], False
+            else:
+                after_statement = True
+            if claims or hop is None:
+                return claims
+            return await hop(
+                functools.partial(operations.task_claim, **self._claiming(call), after_statement=after_statement)
+            )
+
+        call.claiming = asyncio.ensure_future(claim())
+        return await asyncio.shield(call.claiming)
+
+    async def abandon(self, call):  # noqa: D102 - the last attempt's claims go back to the queue
+        if call.claiming is None:
+            return
+        try:
+            claims = await call.claiming
+        except Exception:  # noqa: BLE001 - a refusal or an outage: it claimed nothing
+            return
+        for claim in claims:
+            try:
+                await shared_db(operations.claim_release, project_id=call.project_id, claim_id=claim.claim_id)
+            except Exception:  # noqa: BLE001 - taken over or ended meanwhile; its lease runs out otherwise
+                logger.warning("claim %s of a client that left not released", claim.claim_id, exc_info=True)
 
 
 @contextmanager

@@ -85,6 +85,7 @@ def task_claim(
     worker_id: str = "",
     lease_ttl_ms: int | None = None,
     max_claims: int = 1,
+    after_statement: bool = False,
 ) -> list[Claim]:
     """Claim up to ``max_claims`` tasks of exactly ``run_id``, highest priority then oldest.
 
@@ -93,9 +94,11 @@ def task_claim(
     member whose takeover would end it is left to the sweep, which locks its group first.
     On PostgreSQL one statement claims when the run is active and has no lease to take
     over; otherwise (and when it finds nothing) the careful path decides.
+    ``after_statement``: the caller ran ``claim_statement`` itself and it claimed nothing (the
+    API's hot path, on its own connection): only the careful path is left.
     """
     _check_claim(mailbox, lease_ttl_ms, max_claims)
-    if fast_paths_enabled():
+    if fast_paths_enabled() and not after_statement:
         statement, params = claim_statement(
             project_id=project_id,
             mailbox=mailbox,
