@@ -352,8 +352,8 @@ RUNSTATE_ADMIN_LOGIN_LIMIT = os.environ.get("RUNSTATE_ADMIN_LOGIN_LIMIT", "5/15m
 # how long an entry lives regardless.
 RUNSTATE_PROCESS_CACHE_S = float(os.environ.get("RUNSTATE_PROCESS_CACHE_S", "5"))
 # The API's hot path (coordination/api/hot): claim (a waiting one parked on the loop), complete, fail, release,
-# renew, submit, their batches, the task result, group, barrier and timer waits and the event
-# long-poll answered on the event loop with one statement on an async connection pool of
+# renew, submit, their batches, the task result, group, barrier and timer waits, the event
+# long-poll and the event stream answered on the event loop with one statement on an async connection pool of
 # RUNSTATE_HOT_POOL_SIZE connections per process. "off" sends every request through DRF; on SQLite it is always off.
 RUNSTATE_HOT_PATH = os.environ.get("RUNSTATE_HOT_PATH", "on").strip().lower() != "off"
 RUNSTATE_HOT_POOL_SIZE = int(os.environ.get("RUNSTATE_HOT_POOL_SIZE", "10"))
