@@ -265,14 +265,23 @@ def test_the_race_of_a_cancel_with_a_claim_in_flight_leaks_no_claim(sdk):
                     await settled(run_id, lambda rows: all(state == "QUEUED" for state, _ in rows.values()))
                 # A claim that reached the service after its cancel commits late: its release follows
                 # (while the session lives: its end leaves such a claim to its lease).
-                deadline = time.monotonic() + SETTLE_S
+                # Settled: every claim the proxy saw committed is in the log and released, twice in a
+                # row a second apart (a cancelled call's request may still be on its way to the proxy,
+                # on a loaded machine for a while).
+                deadline, settled_since = time.monotonic() + SETTLE_S, None
                 while True:
+                    committed = sorted(proxy.committed)
                     claimed, released = await asyncio.to_thread(claim_events, run_id)
                     rows = await asyncio.to_thread(task_rows, run_id)
                     quiet = proxy.in_flight == 0 and all(state == "QUEUED" for state, _ in rows.values())
-                    if quiet and len(released) >= len(claimed):
+                    seen = sorted(c["claimId"] for c in claimed) == committed
+                    if not (quiet and seen and len(released) >= len(claimed)):
+                        settled_since = None
+                    elif settled_since is None or settled_since[1] != committed:
+                        settled_since = (time.monotonic(), committed)
+                    elif time.monotonic() - settled_since[0] >= 1.0:
                         break
-                    assert time.monotonic() < deadline, (claimed, released, rows)
+                    assert time.monotonic() < deadline, (committed, claimed, released, rows)
                     await asyncio.sleep(0.1)
         # Every claim the service committed was released exactly once: none held, none twice.
         assert sorted(c["claimId"] for c in claimed) == sorted(proxy.committed)
