@@ -323,7 +323,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # the sweeps act on everything due anyway.
 CELERY_BROKER_CONNECTION_TIMEOUT = 2
 CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# django-celery-beat's scheduler (the sweeps live in its tables, seen in the admin), whose ticks
+# outlive a database error: workers/beat.py.
+CELERY_BEAT_SCHEDULER = "workers.beat:DatabaseScheduler"
 CELERY_TIMEZONE = "UTC"
 
 # runstate's own knobs.

@@ -380,12 +380,20 @@ class ApiOnPair:
         return self.log("api")
 
     def logs(self) -> str:
-        """Return the end of every child's log."""
-        return "\n".join(f"--- {name}\n{self.log(name)}" for name in self.children)
+        """Return the end of every child's log, each headed by whether the child still runs."""
+        exited = self.exited()
+        return "\n".join(
+            f"--- {name} ({f'exited {exited[name]}' if name in exited else 'running'})\n{self.log(name)}"
+            for name in self.children
+        )
+
+    def exited(self) -> dict[str, int]:
+        """Return the exit status of each child that has exited, by name."""
+        return {name: child.returncode for name, child in self.children.items() if child.poll() is not None}
 
     def assert_alive(self) -> None:
         """Fail, with the logs, when a child has exited."""
-        dead = {name: child.returncode for name, child in self.children.items() if child.poll() is not None}
+        dead = self.exited()
         assert not dead, f"exited: {dead}\n{self.logs()}"
 
     def check_ledgers(self, *paths: Path, drained_runs=()) -> str:

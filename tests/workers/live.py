@@ -92,7 +92,7 @@ def beat_command(schedule_dir: Path) -> list[str]:
         "beat",
         "--loglevel=INFO",
         "--scheduler",
-        "django_celery_beat.schedulers:DatabaseScheduler",
+        "workers.beat:DatabaseScheduler",
         "--pidfile",
         str(schedule_dir / "beat.pid"),
     ]
