@@ -33,6 +33,14 @@ class TaskGroup(models.Model):
     outcome_reason = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001
     # Maintained under the group's row lock, so GROUP_FULL and expectedMembers hold under races.
     member_count = models.PositiveSmallIntegerField(default=0, editable=False)
+    # The condition table's counters over ALL members, late verdicts included
+    # (``group_rules.recount``), kept under the group's row lock: verdicts and member inserts
+    # write them in their own statements; a member task's state change, wherever it happens,
+    # through the ``coordination_task_group_counts`` trigger (docs/internals.md, "Group counters").
+    accepted_count = models.PositiveSmallIntegerField(default=0, editable=False)
+    rejected_count = models.PositiveSmallIntegerField(default=0, editable=False)
+    acceptable_count = models.PositiveSmallIntegerField(default=0, editable=False)
+    finished_count = models.PositiveSmallIntegerField(default=0, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     closed_at = models.DateTimeField(null=True, blank=True)
     finalized_at = models.DateTimeField(null=True, blank=True)

@@ -3,7 +3,10 @@
 Every operation that can decide a group takes the locks in the house order: the gate's run
 chain (ancestors ``FOR KEY SHARE``, the gate ``FOR UPDATE``, since finalizing cancels it),
 then the group row, then task rows. ``group_evaluate`` is the one place where the condition
-table is applied; it runs inside every transaction that can change its inputs.
+table is applied; it runs inside every transaction that can change its inputs, and reads
+the group's counters (docs/internals.md, "Group counters"). The single-statement verdict
+(``FAST_VERDICT_SQL``) only asks the table's SQL twin whether it would decide, and leaves
+every verdict that would to the careful transaction.
 """
 
 import uuid
@@ -11,16 +14,24 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connection, transaction
+from django.db.models import F
 from django.utils import timezone
 
 from coordination import exceptions
-from coordination.group_rules import MemberFacts, decide
+from coordination.group_rules import GroupCounts, MemberFacts, decide, member_counts
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
 from coordination.services import sql
 from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import EVENT_COLUMNS, TXID_SQL, event_row, events_record_many
-from coordination.services.locking import LockMode, chain_refusal, fair_gate_sql, run_ancestors_lock, run_chain_lock
+from coordination.services.locking import (
+    LockMode,
+    chain_refusal,
+    fair_gate_sql,
+    run_ancestors_lock,
+    run_chain_lock,
+    run_path_lock,
+)
 from coordination.services.retry import GroupDue, retrying
 from coordination.services.runs import run_create, run_end
 from coordination.states import (
@@ -123,11 +134,37 @@ def _is_due(locked: LockedGroup, now: datetime) -> bool:
     return locked.group.state != GroupState.FINALIZED and _gate_problem(locked, now) is not None
 
 
-def _member_facts(group: TaskGroup) -> list[MemberFacts]:
-    return [
-        MemberFacts(task_state, verdict)
-        for task_state, verdict in GroupMember.objects.filter(group=group).values_list("task__state", "verdict")
-    ]
+# ``GroupCounts`` field -> ``TaskGroup`` column.
+COUNT_COLUMNS = {
+    "members": "member_count",
+    "accepted": "accepted_count",
+    "rejected": "rejected_count",
+    "acceptable": "acceptable_count",
+    "finished": "finished_count",
+}
+
+
+def group_counts(group: TaskGroup) -> GroupCounts:
+    """Return the counters of ``group`` as its instance holds them."""
+    return GroupCounts(**{name: getattr(group, column) for name, column in COUNT_COLUMNS.items()})
+
+
+def _counts_read(group: TaskGroup) -> GroupCounts:
+    """Read the locked group's counters afresh (a trigger may have moved them since the lock) onto ``group``."""
+    values = TaskGroup.objects.filter(id=group.id).values_list(*COUNT_COLUMNS.values()).get()
+    for column, value in zip(COUNT_COLUMNS.values(), values, strict=True):
+        setattr(group, column, value)
+    return group_counts(group)
+
+
+def _counts_add(group: TaskGroup, delta: GroupCounts) -> None:
+    """Add ``delta`` to the locked group's counters, in one statement (and to the instance)."""
+    changes = {column: amount for column, amount in zip(COUNT_COLUMNS.values(), delta.astuple(), strict=True) if amount}
+    if not changes:
+        return
+    TaskGroup.objects.filter(id=group.id).update(**{column: F(column) + amount for column, amount in changes.items()})
+    for column, amount in changes.items():
+        setattr(group, column, getattr(group, column) + amount)
 
 
 def _event(group: TaskGroup, type: str, gate: Run, subject_id: object = None, **data) -> Event:
@@ -141,11 +178,12 @@ def _event(group: TaskGroup, type: str, gate: Run, subject_id: object = None, **
     )
 
 
-def group_evaluate(locked: LockedGroup, now: datetime | None = None, members: list[MemberFacts] | None = None) -> bool:
-    """Apply the condition table to a locked group and finalize it if decided; return whether it was.
+def group_evaluate(locked: LockedGroup, now: datetime | None = None) -> bool:
+    """Apply the condition table to a locked group's counters and finalize it if decided; return whether it was.
 
-    ``members`` are the member facts when the caller has just read them under the group lock
-    (a verdict's statement returns them); by default they are read here.
+    The counters are read here, under the group lock: every change of a member's facts
+    (verdict, member insert, the task trigger) has written them before, in this
+    transaction or in one that committed before the lock was granted.
     """
     group = locked.group
     if group.state == GroupState.FINALIZED:
@@ -159,7 +197,7 @@ def group_evaluate(locked: LockedGroup, now: datetime | None = None, members: li
         condition=group.condition,
         threshold=group.threshold,
         closed=group.state == GroupState.SEALED,
-        members=_member_facts(group) if members is None else members,
+        counts=_counts_read(group),
         deadline_passed=problem == "deadline",
     )
     if decision is None:
@@ -244,8 +282,8 @@ def _close(locked: LockedGroup, now: datetime) -> None:
 def _add_member(locked: LockedGroup, task: Task, now: datetime) -> None:
     group = locked.group
     GroupMember.objects.create(group=group, task=task, joined_at=now)
-    group.member_count += 1
-    group.save(update_fields=["member_count"])
+    # The task is locked (or new): its facts hold until commit, and from then on the trigger follows them.
+    _counts_add(group, member_counts(MemberFacts(task.state, None)))
     if group.expected_members is not None and group.member_count >= group.expected_members:
         _close(locked, now)
 
@@ -372,6 +410,9 @@ def group_submit(
 @transaction.atomic
 def group_join(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID) -> tuple[Task, TaskGroup]:
     """Add an existing task of the group's mailbox while the group is open."""
+    run_path = Task.objects.filter(id=task_id, project_id=project_id).values_list("run_path", flat=True).first()
+    if run_path is not None:  # else NotFound, below
+        joining_chain_lock(project_id=project_id, group_id=group_id, run_path=run_path)
     locked = group_lock(group_id=group_id, project_id=project_id)
     group = locked.group
     task = Task.objects.select_for_update().filter(id=task_id, project_id=project_id).first()
@@ -395,6 +436,26 @@ def group_join(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID
     _add_member(locked, task, now)
     group_evaluate(locked, now)
     return task, group
+
+
+def joining_chain_lock(*, project_id: uuid.UUID, group_id: uuid.UUID, run_path: str) -> None:
+    """Lock the chain of a joining task's run (at ``run_path``), before the group (house order: run chain, group, task).
+
+    A cancel or complete of a run above the task then either commits before the join locks
+    (the join finds the task ended, and decides the group on it) or waits for the join to
+    commit; its cascade then reads the task as a member and locks the group before ending it
+    (``groups_end_subtree``). Without this lock a join could commit between the cascade's read
+    of its member groups and its task step: the task ended without its group locked, so a
+    decision it made went unmade, and the trigger's group update could deadlock with a
+    finalize (docs/internals.md, "Group counters"). The gate, when it is in the chain, is
+    locked ``FOR UPDATE`` here, as ``group_lock`` takes it: a caller that goes on to lock the
+    chain for a submit (a rerun) then never upgrades a share lock on it, which deadlocks
+    against another doing the same (a rerun of a member on the gate, too). Nothing is locked
+    when the group is not found: the join then says so.
+    """
+    gate_id = TaskGroup.objects.filter(id=group_id, project_id=project_id).values_list("scope_id", flat=True).first()
+    if gate_id is not None:
+        run_path_lock(run_path, update=gate_id)
 
 
 # Close, verdicts -------------------------------------------------------------------------
@@ -432,89 +493,198 @@ class VerdictResult:
 
 _TERMINAL_SQL = ", ".join(sql.literal(state) for state in sorted(TASK_TERMINAL))
 
-# A first verdict on a member, once its group is locked and not due: lock the member's task
-# (house order: group, then task), record the verdict and its event, and return the member
-# with the facts of every member as they are now (the judged one with its new verdict), for
-# the condition table. A fresh statement after the group lock, so its snapshot holds every
-# verdict and task change committed before: they all lock the group first. It matches no row
-# (the careful path then decides the answer) for an unknown member, a member already judged
-# or a task whose state does not allow the verdict.
-VERDICT_SQL = f"""
-WITH task AS (
-    SELECT t.id, t.state FROM coordination_task t
-    WHERE t.id = %(task_id)s AND t.group_id = %(group_id)s
-    FOR UPDATE
+
+def decides_sql(*, condition: str, threshold: str, closed: str, counts: dict[str, str]) -> str:
+    """Return a SQL boolean: whether ``group_rules.decide`` decides a group with these counters, deadline aside.
+
+    Every argument is a SQL expression; ``counts`` maps the ``GroupCounts`` fields to theirs.
+    The condition table's twin for the single-statement verdict, which must know whether it
+    decides before it writes; ``tests/coordination/test_group_rules.py`` proves the two agree
+    over the whole table. An unknown condition counts as deciding (the careful path then runs).
+    """
+    a, s, f, n = counts["accepted"], counts["acceptable"], counts["finished"], counts["members"]
+    return (
+        f"coalesce(CASE {condition}"
+        f" WHEN {sql.literal(GroupCondition.FIRST_ACCEPTED)} THEN {a} >= 1"
+        f" WHEN {sql.literal(GroupCondition.N_ACCEPTED)} THEN {a} >= {threshold}"
+        f" OR ({closed} AND {a} + {s} < {threshold})"
+        f" WHEN {sql.literal(GroupCondition.ALL_TERMINAL)} THEN {closed} AND {f} = {n}"
+        " END, true)"
+    )
+
+
+def verdict_delta(task_state: str, verdict: str) -> GroupCounts:
+    """Return what a first verdict on a member whose task is in ``task_state`` adds to the counters."""
+    return member_counts(MemberFacts(task_state, verdict)) - member_counts(MemberFacts(task_state, None))
+
+
+def _verdict_delta_sql(field: str) -> str:
+    """Return SQL for ``verdict_delta(task.state, %(verdict)s)``'s ``field``, built from the Python table."""
+    cases = []
+    for verdict in Verdict:
+        by_amount: dict[int, list[str]] = {}
+        for state in TaskState:
+            if amount := getattr(verdict_delta(state, verdict), field):
+                by_amount.setdefault(amount, []).append(state)
+        cases += [
+            f"WHEN %(verdict)s = {sql.literal(verdict)} AND task.state IN {sql.in_list(states)} THEN {amount}"
+            for amount, states in sorted(by_amount.items())
+        ]
+    return f"CASE {' '.join(cases)} ELSE 0 END" if cases else "0"
+
+
+_COUNTS_AFTER = {name: f"(grp.{column} + delta.{name})" for name, column in COUNT_COLUMNS.items()}
+
+# A verdict in one statement, run in autocommit, so that the commit (and its WAL flush) ends
+# the statement on the server with no round trip under the gate lock. It takes the locks of
+# ``group_lock`` in the house order: the gate's ancestors FOR KEY SHARE behind their shared
+# fair-gate locks, then the gate's exclusive fair-gate lock and the gate FOR UPDATE (each a
+# one-time filter evaluated before its scan; the CASE orders the gate's after the
+# ancestors'), the group FOR UPDATE (its join reads the gate first), then the member's task
+# FOR UPDATE. Locked rows come back as they are once locked (READ COMMITTED follows their
+# updates), so the group's counters and the task's state are the committed ones even when
+# the statement's snapshot is older than the lock. It records the verdict (``late`` when the
+# group is FINALIZED), its event and the new counters, unless the new counters decide the
+# group (the same table as ``group_rules.decide``, ``decides_sql``), the gate chain is
+# inactive or a deadline passed, the member is unknown or judged, or its task's state does
+# not allow the verdict: then it writes nothing and returns no row, and the careful
+# transaction (``_verdict_careful``) decides the answer, finalizing in one transaction.
+# That transaction, once it holds the group lock, runs the same statement with
+# ``may_decide`` (the deciding test off) and evaluates the group before its commit, so a
+# deciding verdict, and the verdicts that queued behind it and arrive late, are recorded
+# there by this one statement too.
+FAST_VERDICT_SQL = f"""
+WITH head AS MATERIALIZED (
+    SELECT g.scope_id AS gate_id, string_to_array(rtrim(r.path, '/'), '/')::uuid[] AS ids
+    FROM coordination_taskgroup g JOIN coordination_run r ON r.id = g.scope_id
+    WHERE g.id = %(group_id)s AND g.project_id = %(project_id)s
+), ancestors AS MATERIALIZED (
+    SELECT a.stored_state, a.deadline FROM coordination_run a
+    WHERE a.id = ANY ((SELECT ids[1:cardinality(ids) - 1] FROM head)::uuid[])
+      AND (SELECT {fair_gate_sql("head.ids[1:cardinality(head.ids) - 1]")} FROM head)
+    ORDER BY a.depth
+    FOR KEY SHARE OF a
+), gate AS MATERIALIZED (
+    SELECT r.id, r.path, r.stored_state, r.deadline FROM coordination_run r
+    WHERE r.id = (SELECT gate_id FROM head)
+      AND CASE WHEN (SELECT count(*) FROM ancestors) >= 0
+          THEN (SELECT {fair_gate_sql("ARRAY[head.gate_id]", exclusive=True)} FROM head) END
+    FOR UPDATE OF r
+), grp AS MATERIALIZED (
+    SELECT g.*, gate.path AS gate_path, gate.stored_state AS gate_state, gate.deadline AS gate_deadline
+    FROM coordination_taskgroup g JOIN gate ON gate.id = g.scope_id
+    WHERE g.id = %(group_id)s
+    FOR UPDATE OF g
+), task AS MATERIALIZED (
+    SELECT t.id, t.state FROM coordination_task t JOIN grp ON t.group_id = grp.id
+    WHERE t.id = %(task_id)s
+    FOR UPDATE OF t
+), delta AS MATERIALIZED (
+    SELECT {", ".join(f"{_verdict_delta_sql(name)} AS {name}" for name in COUNT_COLUMNS)} FROM task
 ), judged AS (
     UPDATE coordination_groupmember m
-    SET verdict = %(verdict)s, verdict_at = %(now)s, late = %(late)s
-    FROM task
-    WHERE m.group_id = %(group_id)s AND m.task_id = task.id AND m.verdict IS NULL
+    SET verdict = %(verdict)s, verdict_at = %(now)s, late = (grp.state = {sql.literal(GroupState.FINALIZED)})
+    FROM task, grp, delta
+    WHERE m.task_id = task.id AND m.group_id = grp.id AND m.verdict IS NULL
       AND CASE %(verdict)s
           WHEN {sql.literal(Verdict.ACCEPTED)} THEN task.state = {sql.literal(TaskState.SUCCEEDED)}
           WHEN {sql.literal(Verdict.REJECTED)} THEN task.state IN ({_TERMINAL_SQL})
           ELSE false END
+      AND (grp.state = {sql.literal(GroupState.FINALIZED)} OR (
+          (SELECT coalesce(bool_and(stored_state = {sql.literal(RunState.ACTIVE)}
+                AND (deadline IS NULL OR deadline > %(now)s)), true) FROM ancestors)
+          AND grp.gate_state = {sql.literal(RunState.ACTIVE)}
+          AND (grp.gate_deadline IS NULL OR grp.gate_deadline > %(now)s)
+          AND (grp.deadline IS NULL OR grp.deadline > %(now)s)
+          AND (%(may_decide)s OR NOT {
+    decides_sql(
+        condition="grp.condition",
+        threshold="grp.threshold",
+        closed=f"grp.state = {sql.literal(GroupState.SEALED)}",
+        counts=_COUNTS_AFTER,
+    )
+})))
     RETURNING m.*
+), counted AS (
+    UPDATE coordination_taskgroup g
+    SET {", ".join(f"{column} = {_COUNTS_AFTER[name]}" for name, column in COUNT_COLUMNS.items() if name != "members")}
+    FROM judged, grp, delta
+    WHERE g.id = judged.group_id AND grp.id = g.id
+    RETURNING {sql.columns(TaskGroup, "g")}
 ), events AS (
     INSERT INTO coordination_event ({EVENT_COLUMNS})
-    SELECT {TXID_SQL}, %(project_id)s, 'member.verdict', %(gate_id)s, %(gate_path)s, task_id::text,
-        jsonb_build_object('groupId', group_id::text, 'verdict', verdict, 'late', late), %(now)s
-    FROM judged
+    SELECT {TXID_SQL}, grp.project_id, 'member.verdict', grp.scope_id, grp.gate_path, judged.task_id::text,
+        jsonb_build_object('groupId', judged.group_id::text, 'verdict', judged.verdict, 'late', judged.late), %(now)s
+    FROM judged, grp
 )
-SELECT {sql.columns(GroupMember, "judged")}, facts.states, facts.verdicts
-FROM judged, LATERAL (
-    SELECT array_agg(t.state ORDER BY m.id) AS states,
-        array_agg(CASE WHEN m.id = judged.id THEN judged.verdict ELSE m.verdict END ORDER BY m.id) AS verdicts
-    FROM coordination_groupmember m JOIN coordination_task t ON t.id = m.task_id
-    WHERE m.group_id = %(group_id)s
-) facts
+SELECT {sql.columns(GroupMember, "judged")}, {sql.columns(TaskGroup, "counted")}
+FROM judged, counted
 """
 
 
-def _verdict_fast(locked: LockedGroup, task_id: uuid.UUID, verdict: Verdict, now: datetime) -> GroupMember | None:
-    """Record a first verdict in one statement and evaluate the group; None when it matched no row."""
-    group, gate = locked.group, locked.gate
-    rows = sql.fetch_models(
-        GroupMember,
-        VERDICT_SQL,
-        {
-            "task_id": task_id,
-            "group_id": group.id,
-            "project_id": group.project_id,
-            "verdict": verdict,
-            "now": now,
-            "late": group.state == GroupState.FINALIZED,
-            "gate_id": gate.id,
-            "gate_path": gate.path,
-        },
-        extra=2,
-    )
+def _verdict_fast(
+    project_id: uuid.UUID,
+    group_id: uuid.UUID,
+    task_id: uuid.UUID,
+    verdict: Verdict,
+    *,
+    now: datetime | None = None,
+    may_decide: bool = False,
+):
+    """Record a verdict in one statement; None when it wrote nothing.
+
+    Alone (autocommit), only a verdict that does not decide. With ``may_decide``, inside
+    the careful transaction that holds the group lock already, a deciding one too: the
+    caller then evaluates the group in that transaction.
+    """
+    params = {
+        "project_id": project_id,
+        "group_id": group_id,
+        "task_id": task_id,
+        "verdict": verdict,
+        "now": now or timezone.now(),
+        "may_decide": may_decide,
+    }
+    rows = sql.fetch(FAST_VERDICT_SQL, params)
     if not rows:
         return None
-    member, states, verdicts = rows[0]
-    if not member.late:
-        facts = [MemberFacts(state, judged) for state, judged in zip(states, verdicts, strict=True)]
-        group_evaluate(locked, now, members=facts)
-    return member
+    member, group = sql.build_row(rows[0], GroupMember, TaskGroup)
+    return VerdictResult(member, group)
 
 
 @retrying
-@transaction.atomic
 def group_verdict(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID, verdict: Verdict) -> VerdictResult:
     """Accept or reject a member; idempotent. After finalize the verdict is kept as ``late``.
 
-    On PostgreSQL a first verdict on a group that is not due is one statement after the
-    group lock (``VERDICT_SQL``), and the condition table is applied to the facts it
-    returns: the lock is held for that statement and the commit, unless the verdict decides
-    the group. Everything else takes the careful path below.
+    On PostgreSQL a verdict that does not decide its group is one statement in autocommit
+    (``FAST_VERDICT_SQL``): the gate lock is held for that statement and its commit only.
+    A verdict that decides, and everything unusual, takes the careful transaction.
     """
+    if sql.fast_paths_enabled():
+        result = _verdict_fast(project_id, group_id, task_id, verdict)
+        if result is not None:
+            return result
+    return _verdict_careful(project_id=project_id, group_id=group_id, task_id=task_id, verdict=verdict)
+
+
+@transaction.atomic
+def _verdict_careful(
+    *, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.UUID, verdict: Verdict
+) -> VerdictResult:
+    """Record the verdict in one transaction: lock, record, count, evaluate (finalize and cancel when decided)."""
     locked = group_lock(group_id=group_id, project_id=project_id)
     group = locked.group
     if sql.fast_paths_enabled():
+        # The lock is ours: the same statement records even a deciding verdict (its locks
+        # are taken again at once), and the group is evaluated before the commit. The
+        # verdicts that queued behind a deciding one also come here, to record late.
         now = timezone.now()
         if not _is_due(locked, now):
-            member = _verdict_fast(locked, task_id, verdict, now)
-            if member is not None:
-                return VerdictResult(member, group)
+            result = _verdict_fast(project_id, group_id, task_id, verdict, now=now, may_decide=True)
+            if result is not None:
+                if not result.member.late:
+                    group_evaluate(locked, now)
+                return VerdictResult(result.member, group)
     member = GroupMember.objects.filter(group=group, task_id=task_id).first()
     if member is None:
         raise exceptions.NotFound("No such member.", taskId=str(task_id))
@@ -536,6 +706,7 @@ def group_verdict(*, project_id: uuid.UUID, group_id: uuid.UUID, task_id: uuid.U
     member.verdict_at = now
     member.late = group.state == GroupState.FINALIZED
     member.save(update_fields=["verdict", "verdict_at", "late"])
+    _counts_add(group, verdict_delta(task.state, verdict))
     events_record_many(
         [
             _event(

@@ -123,6 +123,22 @@ def run_ancestors_lock(path: str) -> list[Run]:
     return _lock_runs([uuid.UUID(part) for part in path.split("/") if part][:-1], LockMode.KEY_SHARE)
 
 
+def run_path_lock(path: str, *, update: uuid.UUID | None = None) -> list[Run]:
+    """Lock the chain of the run at ``path`` root first, ``FOR KEY SHARE``; ``update``, if one of them, ``FOR UPDATE``.
+
+    For a caller that locks a second chain besides a group's gate chain (``group_join``):
+    the gate, if it is in this chain, is locked here in the mode ``group_lock`` takes it in,
+    so that the transaction never upgrades a share lock on it (two upgraders deadlock).
+    Return the chain, root first.
+    """
+    ids = path_ids(path)
+    if update not in ids:
+        return _lock_runs(ids, LockMode.KEY_SHARE)
+    at = ids.index(update)
+    above = _lock_runs(ids[:at], LockMode.KEY_SHARE)
+    return above + _lock_runs([update], LockMode.UPDATE) + _lock_runs(ids[at + 1 :], LockMode.KEY_SHARE)
+
+
 def run_chain_lock(run_id: uuid.UUID, *, project_id, target_mode: LockMode = LockMode.KEY_SHARE) -> list[Run]:
     """Lock the chain of ``run_id`` root first and return it root first.
 

@@ -20,7 +20,7 @@ from django.db import transaction
 from coordination import exceptions
 from coordination.models import Task
 from coordination.services.events import event_written_here
-from coordination.services.groups import group_join
+from coordination.services.groups import group_join, joining_chain_lock
 from coordination.services.tasks import task_submit
 from coordination.states import TASK_TERMINAL
 from coordination.tracing import NO_TRACE, TraceContext, annotate, send_span, work_trace
@@ -60,6 +60,10 @@ def task_rerun(
     # The submit answers every refusal a submit there would get, in its order: the run's
     # code first, then the group's (a member on its group's gate is submitted through the
     # group, which locks the gate chain, then the group).
+    if old.group_id is not None:
+        # The rerun joins the old task's group (below, or by its submit on the gate): its run
+        # chain is locked as the join locks it, before the submit locks it again.
+        joining_chain_lock(project_id=project_id, group_id=old.group_id, run_path=old.run_path)
     parent, links = work_trace(TraceContext(old.traceparent, old.tracestate), trace)
     with send_span(old.mailbox.name, parent, links=links, run_id=old.run_id, rerun_of=old.id) as (current, stored):
         task, created = task_submit(

@@ -15,6 +15,7 @@ from coordination.services import dispatch
 from coordination.services.cascade import SubtreeEnd, subtree_end
 from coordination.services.events import event_record, events_mark, events_written_since
 from coordination.services.locking import LockMode, run_chain_lock, run_chain_lock_active
+from coordination.services.retry import retrying
 from coordination.states import RunState
 from coordination.tracing import NO_TRACE, TraceContext, annotate, span
 
@@ -140,6 +141,7 @@ def _run_end_traced(
         return run
 
 
+@retrying
 @transaction.atomic
 def run_cancel(
     *, run_id: uuid.UUID, project_id: uuid.UUID, reason: str | None = None, trace: TraceContext = NO_TRACE
@@ -152,6 +154,7 @@ def run_cancel(
     return _run_end_traced(run_id=run_id, project_id=project_id, state=RunState.CANCELLED, reason=reason, trace=trace)
 
 
+@retrying
 @transaction.atomic
 def run_complete(*, run_id: uuid.UUID, project_id: uuid.UUID, trace: TraceContext = NO_TRACE) -> Run:
     """Complete a run and, in the same transaction, end all work in its subtree.

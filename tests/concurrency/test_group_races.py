@@ -14,8 +14,10 @@ from coordination.services.groups import group_close, group_create, group_submit
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
+from coordination.services.tasks import task_cancel
 from coordination.states import Verdict
 from tests.concurrency.util import force_order, rounds, run_in_threads
+from tests.group_counts import assert_counts_match
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -73,8 +75,10 @@ def audit(group_id):
     """Replay the group's history (its events are serialized by the group lock) against the model.
 
     Checks: decided at most once; decided at exactly the first step where the model says so,
-    with the model's outcome; nothing unfinished after the decision; late verdicts only after.
+    with the model's outcome; nothing unfinished after the decision; late verdicts only after;
+    the group's counters equal a recount of its members.
     """
+    assert_counts_match(group_id)
     group = TaskGroup.objects.get(id=group_id)
     member_ids = {str(t) for t in GroupMember.objects.filter(group=group).values_list("task_id", flat=True)}
     members, closed, decision = {}, False, None
@@ -157,6 +161,18 @@ def test_16_threads_accept_50_members_threshold_5_exactly_one_decision_every_rou
         audit(group.id)
 
 
+def work_through(project, claims, plan, **fail) -> None:
+    """A worker: complete the claims whose task ``plan`` says succeeds, fail the others (``fail``: claim_fail's)."""
+    for claim in claims:
+        try:
+            if plan[claim.task.id]:
+                claim_complete(project_id=project.id, claim_id=claim.claim_id, outcome=None)
+            else:
+                claim_fail(project_id=project.id, claim_id=claim.claim_id, error="no", **fail)
+        except (exceptions.ScopeCancelled, exceptions.LeaseLost):
+            pass  # the group finalized first and cancelled the rest
+
+
 def test_completions_racing_close_and_verdicts_200_rounds(world):
     """Members finish, a reviewer judges, someone closes: the audit replays every history."""
     project, mailbox = world
@@ -170,14 +186,7 @@ def test_completions_racing_close_and_verdicts_200_rounds(world):
         plan = {c.task.id: rng.random() < 0.7 for c in claims}
 
         def worker(claims=claims, plan=plan):
-            for claim in claims:
-                try:
-                    if plan[claim.task.id]:
-                        claim_complete(project_id=project.id, claim_id=claim.claim_id, outcome=None)
-                    else:
-                        claim_fail(project_id=project.id, claim_id=claim.claim_id, error="no")
-                except (exceptions.ScopeCancelled, exceptions.LeaseLost):
-                    pass  # the group finalized first and cancelled the rest
+            work_through(project, claims, plan)
 
         def reviewer(tasks=tasks, group_id=group.id, seed=rng.random()):
             local = random.Random(seed)
@@ -262,3 +271,43 @@ def test_parent_cancel_racing_the_deciding_accept(world):
 
         run_in_threads([accept, cancel])
         assert_decided_once(group, tasks)
+
+
+def test_verdicts_racing_completions_and_cancels_keep_the_counters_and_decide_once(world):
+    """Four reviewers accept 20 succeeded members (threshold 10) while a worker finishes 20 more and
+    someone cancels members: one finalize, late verdicts after it, counters equal to a recount.
+    """
+    project, mailbox = world
+    rng = random.Random(27)
+    for _ in range(rounds(postgresql=20, sqlite=3)):
+        group, tasks = make_group(project, mailbox, members=40, condition="N_ACCEPTED", threshold=10)
+        claims = task_claim(project_id=project.id, mailbox=mailbox, run_id=group.scope_id, max_claims=40)
+        by_task = {c.task.id: c for c in claims}
+        for task in tasks[:20]:
+            claim_complete(project_id=project.id, claim_id=by_task[task.id].claim_id, outcome=None)
+        claims = [by_task[task.id] for task in tasks[20:]]
+        plan = {c.task.id: rng.random() < 0.5 for c in claims}
+        accepted = [t.id for t in tasks[:20]]
+        rng.shuffle(accepted)
+        cancelled = rng.sample([c.task.id for c in claims], 8)
+
+        def reviewer(my_ids, group_id=group.id):
+            for task_id in my_ids:
+                group_verdict(project_id=project.id, group_id=group_id, task_id=task_id, verdict=Verdict.ACCEPTED)
+
+        def worker(claims=claims, plan=plan):
+            work_through(project, claims, plan, retry=False)
+
+        def canceller(task_ids=cancelled):
+            for task_id in task_ids:
+                task_cancel(project_id=project.id, task_id=task_id, reason="race")
+
+        reviewers = [lambda s=accepted[i::4]: reviewer(s) for i in range(4)]
+        run_in_threads([*reviewers, worker, canceller])
+        assert Event.objects.filter(type="group.finalized", subject_id=str(group.id)).count() == 1
+        group.refresh_from_db()
+        assert (group.state, group.outcome, group.outcome_reason) == ("FINALIZED", "SUCCESS", "threshold_reached")
+        verdicts = GroupMember.objects.filter(group=group, verdict="ACCEPTED")
+        assert (verdicts.filter(late=False).count(), verdicts.filter(late=True).count()) == (10, 10)
+        assert group.accepted_count == 20
+        audit(group.id)

@@ -2,11 +2,13 @@
 
 Hypothesis drives one fresh group per example (FIRST_ACCEPTED, N_ACCEPTED with threshold
 1-4, or ALL_TERMINAL; with or without expectedMembers) through the real services: submit
-(with or without key, resubmits included), a worker claiming on the gate and completing,
-failing or holding a member, cancelling a member, accept, reject, close, seal, and cancelling
-or completing the parent run. Each step's answer (including the error code) is predicted by
+(with or without key, resubmits included), joining a finished task from another run, a
+worker claiming on the gate and completing, failing or holding a member, cancelling a member,
+accept, reject, close, seal, the group's deadline passing (the sweep finalizes it), and
+cancelling or completing the parent run. Each step's answer (including the error code) is predicted by
 a small pure-Python model written from DESIGN.md alone (``coordination.group_rules`` is
-deliberately not used); after every step the database must agree with the model.
+deliberately not used); after every step the database must agree with the model, and the
+group's counters must equal a recount of the model's members (late verdicts included).
 
 A failure prints the shortest sequence Hypothesis found, with ``note()`` lines naming the
 members each step acted on.
@@ -14,9 +16,11 @@ members each step acted on.
 
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import pytest
 from django.test import override_settings
+from django.utils import timezone
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -31,11 +35,19 @@ from hypothesis.stateful import (
 from coordination import exceptions
 from coordination.models import Event, GroupMember, Run, Task, TaskGroup
 from coordination.services.claims import claim_complete, claim_fail, claim_release, task_claim
-from coordination.services.groups import group_close, group_create, group_submit, group_verdict
+from coordination.services.groups import (
+    group_close,
+    group_create,
+    group_join,
+    group_submit,
+    group_verdict,
+    groups_finalize_due,
+)
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_complete, run_create
-from coordination.services.tasks import task_cancel
+from coordination.services.tasks import task_cancel, task_submit
+from tests.group_counts import recount, recounted, stored_counts
 from tests.machines import machine_settings
 
 # The model ------------------------------------------------------------------------------
@@ -132,6 +144,21 @@ def code_of(call, **kwargs):
 # The machine ----------------------------------------------------------------------------
 
 
+def refused_a_member(model: GroupModel, code: str | None) -> bool:
+    """Check the answer to a new member: refused when the group is closed (or finalized) or full, else taken.
+
+    Return whether the model says it is refused.
+    """
+    if model.closed:  # closed or finalized
+        assert code == exceptions.GroupClosed.code, code
+        return True
+    if len(model.members) >= MAX_MEMBERS:
+        assert code == exceptions.GroupFull.code, code
+        return True
+    assert code is None, code
+    return False
+
+
 class GroupMachine(RuleBasedStateMachine):
     """Every operation runs against the services and the model; they must agree.
 
@@ -158,6 +185,7 @@ class GroupMachine(RuleBasedStateMachine):
             project_id=self.project.id, name="work", mode="WORK", lease_ttl_ms=LONG_LEASE_MS
         )
         self.parent = run_create(project_id=self.project.id, name="parent")
+        self.elsewhere = run_create(project_id=self.project.id, name="elsewhere")  # tasks that join
         group = group_create(
             project_id=self.project.id,
             mailbox_name="work",
@@ -241,13 +269,8 @@ class GroupMachine(RuleBasedStateMachine):
             else:
                 assert code == exceptions.KeyConflict.code, code
             return
-        if model.closed:  # closed or finalized
-            assert code == exceptions.GroupClosed.code, code
+        if refused_a_member(model, code):
             return
-        if len(model.members) >= MAX_MEMBERS:
-            assert code == exceptions.GroupFull.code, code
-            return
-        assert code is None, code
         task, created, group = task_and_group
         assert created and task.state == QUEUED and task.group_id == self.group_id
         assert task.run_id == self.gate_id
@@ -256,6 +279,27 @@ class GroupMachine(RuleBasedStateMachine):
         if model.expected is not None and len(model.members) >= model.expected:
             model.closed = True  # the submit that reaches expectedMembers closes the group
         model.evaluate()
+        assert group.state == model.state
+
+    @rule(succeed=st.booleans())
+    def join_finished_task(self, succeed):
+        """Join a task finished on another run (so that no gate claim sees it): a member with its facts."""
+        model = self.model
+        task, _ = task_submit(project_id=self.project.id, mailbox=self.mailbox, run_id=self.elsewhere.id, input={})
+        (claim,) = task_claim(project_id=self.project.id, mailbox=self.mailbox, run_id=self.elsewhere.id)
+        if succeed:
+            claim_complete(project_id=self.project.id, claim_id=claim.claim_id, outcome={})
+        else:
+            claim_fail(project_id=self.project.id, claim_id=claim.claim_id, error={}, retry=False)
+        joined, code = code_of(group_join, project_id=self.project.id, group_id=self.group_id, task_id=task.id)
+        if refused_a_member(model, code):
+            return
+        model.members.append(ModelMember(task.id, None, {}, state=SUCCEEDED if succeed else FAILED))
+        note(f"joined #{len(model.members) - 1} ({model.members[-1].state})")
+        if model.expected is not None and len(model.members) >= model.expected:
+            model.closed = True
+        model.evaluate()
+        task, group = joined
         assert group.state == model.state
 
     # Workers --------------------------------------------------------------------------
@@ -448,6 +492,14 @@ class GroupMachine(RuleBasedStateMachine):
         if not self.model.finalized:
             self.model.finalize("FAILURE", "cancelled")
 
+    @precondition(lambda self: not self.model.finalized)
+    @rule()
+    def deadline_passes(self):
+        """The group's deadline passes (moved into the past) and the deadline sweep finalizes it."""
+        TaskGroup.objects.filter(id=self.group_id).update(deadline=timezone.now() - timedelta(seconds=1))
+        assert groups_finalize_due() >= 1
+        self.model.finalize("FAILURE", "deadline")  # anything else would have decided already
+
     @precondition(
         lambda self: (
             self.model.finalized
@@ -503,6 +555,9 @@ class GroupMachine(RuleBasedStateMachine):
             )
         }
         assert rows == {m.task_id: (m.state, m.verdict, m.late) for m in model.members}
+        # The counters on the group's row equal a recount, of the model and of the rows.
+        expected_counts = recounted((m.state, m.verdict) for m in model.members)
+        assert stored_counts(self.group_id) == expected_counts == recount(self.group_id)
         # Events are read through the project (indexed): every example of a run shares one
         # test transaction, so the event table keeps growing while Hypothesis shrinks.
         events = Event.objects.filter(project_id=self.project.id)

@@ -1,8 +1,9 @@
-"""A verdict takes one statement after the group lock on PostgreSQL, and writes what the careful path writes.
+"""A verdict that does not decide is one statement on PostgreSQL, and writes what the careful path writes.
 
 Each scenario runs twice on fresh groups, with the fast paths on and off
-(``RUNSTATE_FAST_PATHS``): the answers, the members' rows, the group's decision, the members
-the finalize cancelled and the events (type, subject, data, in order) must be the same.
+(``RUNSTATE_FAST_PATHS``): the answers, the members' rows, the group's decision and
+counters, the members the finalize cancelled and the events (type, subject, data, in order)
+must be the same; after every step the counters equal a recount of the members.
 """
 
 import uuid
@@ -21,6 +22,7 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
+from tests.group_counts import assert_counts_match, stored_counts
 
 pytestmark = pytest.mark.postgres_only
 
@@ -48,6 +50,7 @@ ACCEPT, REJECT = "ACCEPTED", "REJECTED"
 SCENARIOS = {
     "accept decides N_ACCEPTED 2, then a late one": ("N_ACCEPTED", 2, [(0, ACCEPT), (1, ACCEPT), (2, REJECT)]),
     "first accept decides FIRST_ACCEPTED": ("FIRST_ACCEPTED", None, [(2, REJECT), (1, ACCEPT), (0, REJECT)]),
+    "undecided: rejects and an accept on ALL_TERMINAL": ("ALL_TERMINAL", None, [(0, REJECT), (2, REJECT), (1, ACCEPT)]),
     "repeat, conflict, not succeeded, not finished": (
         "N_ACCEPTED",
         3,
@@ -67,6 +70,7 @@ def _run(fast: bool, name: str, condition: str, threshold: int | None, steps) ->
                 answers.append((result.member.verdict, result.member.late, result.group.state))
             except exceptions.CoordinationError as exc:
                 answers.append(exc.code)
+            assert_counts_match(group.id)
     order = {t.id: i for i, t in enumerate(tasks)}
     group.refresh_from_db()
     subjects = {str(t.id): f"task{i}" for i, t in enumerate(tasks)} | {str(group.id): "group"}
@@ -78,6 +82,7 @@ def _run(fast: bool, name: str, condition: str, threshold: int | None, steps) ->
     return {
         "answers": answers,
         "group": (group.state, group.outcome, group.outcome_reason),
+        "counts": stored_counts(group.id),
         "members": sorted(
             (order[m.task_id], m.verdict, m.late, m.verdict_at is not None)
             for m in GroupMember.objects.filter(group=group)
@@ -94,7 +99,7 @@ def test_fast_and_careful_verdicts_write_the_same_rows_and_events(scenario):
     fast = _run(True, "verdicts", condition, threshold, steps)
     careful = _run(False, "verdicts", condition, threshold, steps)
     assert fast == careful
-    if not scenario.startswith("repeat"):
+    if not scenario.startswith(("repeat", "undecided")):
         # Finalized: the member on the gate and the one joined from another run are both cancelled.
         assert fast["group"][0] == "FINALIZED"
         reason = f"group_{fast['group'][2]}"
@@ -103,17 +108,40 @@ def test_fast_and_careful_verdicts_write_the_same_rows_and_events(scenario):
 
 
 @pytest.mark.django_db
-def test_a_first_verdict_that_does_not_decide_is_one_statement_after_the_group_lock():
+def test_a_verdict_that_does_not_decide_is_one_statement():
     project, group, tasks = _world("verdict-statements", "N_ACCEPTED", 2)
     with CaptureQueriesContext(connection) as captured:
-        group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict="ACCEPTED")
-    statements = [q["sql"].replace('"', "") for q in captured.captured_queries]
-    locked = max(i for i, sql in enumerate(statements) if "coordination_taskgroup" in sql and "FOR UPDATE" in sql)
-    # The test's own transaction turns BEGIN/COMMIT into savepoints.
-    (after,) = [sql for sql in statements[locked + 1 :] if not sql.startswith(("SAVEPOINT", "RELEASE"))]
-    assert "UPDATE coordination_groupmember" in after and "INSERT INTO coordination_event" in after
+        result = group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict="ACCEPTED")
+    # One statement, in no transaction block of its own (no savepoint inside the test's).
+    (statement,) = [q["sql"].replace('"', "") for q in captured.captured_queries]
+    for part in (
+        "FOR UPDATE OF g",
+        "FOR UPDATE OF t",
+        "UPDATE coordination_groupmember",
+        "INSERT INTO coordination_event",
+    ):
+        assert part in statement
+    assert "UPDATE coordination_taskgroup" in statement
+    assert (result.member.verdict, result.member.late, result.group.state) == ("ACCEPTED", False, "OPEN")
+    assert (result.group.accepted_count, result.group.acceptable_count) == (1, 3)
     assert TaskGroup.objects.get(id=group.id).state == "OPEN"
     assert Event.objects.filter(type="member.verdict", subject_id=str(tasks[0].id)).count() == 1
+    assert_counts_match(group.id)
+
+
+@pytest.mark.django_db
+def test_a_deciding_verdict_writes_nothing_in_the_statement_and_decides_in_one_transaction():
+    project, group, tasks = _world("verdict-decides", "N_ACCEPTED", 1)
+    with CaptureQueriesContext(connection) as captured:
+        result = group_verdict(project_id=project.id, group_id=group.id, task_id=tasks[0].id, verdict="ACCEPTED")
+    statements = [q["sql"].replace('"', "") for q in captured.captured_queries]
+    assert "UPDATE coordination_groupmember" in statements[0]
+    # Then the careful transaction (a savepoint inside the test's): lock, record, finalize, cancel.
+    assert statements[1].startswith("SAVEPOINT")
+    assert (result.member.verdict, result.member.late, result.group.state) == ("ACCEPTED", False, "FINALIZED")
+    assert Event.objects.filter(type="member.verdict", subject_id=str(tasks[0].id)).count() == 1
+    assert Event.objects.filter(type="group.finalized", subject_id=str(group.id)).count() == 1
+    assert_counts_match(group.id)
 
 
 def _comparable(subject_id: str, data: dict) -> dict:
