@@ -289,6 +289,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "coordination.api.schema.add_transport_errors",
+        "coordination.api.schema.constrain_name_parameters",
     ],
     "ENUM_NAME_OVERRIDES": {
         "RunStateEnum": "coordination.states.RunState",

@@ -26,7 +26,7 @@ class PoolForm(forms.ModelForm):
     def clean_name(self) -> str:
         """Refuse here what ``pool_put`` would refuse (the API's name rule)."""
         name = self.cleaned_data["name"]
-        if not NAME_PATTERN.match(name):
+        if not NAME_PATTERN.fullmatch(name):
             raise forms.ValidationError("1-100 of A-Z a-z 0-9 . _ - (starting with a letter or digit).")
         return name
 

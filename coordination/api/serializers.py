@@ -6,6 +6,7 @@ from django.conf import settings
 from rest_framework import serializers
 
 from coordination.services.tasks import MAX_SUBMIT_BATCH
+from coordination.services.timers import MAX_DELAY_S
 from coordination.states import (
     BarrierState,
     Effective,
@@ -34,6 +35,38 @@ class StrictSerializer(serializers.Serializer):
             if unknown:
                 raise serializers.ValidationError({name: "Unknown field." for name in unknown})
         return super().to_internal_value(data)
+
+
+class _OnlyItsJsonTypes:
+    """A body field that takes only the JSON types its schema names.
+
+    DRF's fields convert: a ``CharField`` turns ``5`` into ``"5"``, an ``IntegerField`` takes
+    ``"5"``, a ``BooleanField`` takes ``"true"`` and ``1``. A request body is JSON, and the
+    schema says which type each field has, so anything else is a 400 (``invalid``).
+    """
+
+    json_types: tuple[type, ...] = ()
+
+    def to_internal_value(self, data):  # noqa: D102
+        if not isinstance(data, self.json_types) or (isinstance(data, bool) and bool not in self.json_types):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictCharField(_OnlyItsJsonTypes, serializers.CharField):
+    json_types = (str,)
+
+
+class StrictIntegerField(_OnlyItsJsonTypes, serializers.IntegerField):
+    json_types = (int, float)  # 5.0 is an integer to JSON Schema; DRF refuses 5.5
+
+
+class StrictFloatField(_OnlyItsJsonTypes, serializers.FloatField):
+    json_types = (int, float)
+
+
+class StrictBooleanField(_OnlyItsJsonTypes, serializers.BooleanField):
+    json_types = (bool,)
 
 
 MAX_PAYLOAD_BYTES = 256 * 1024
@@ -87,21 +120,21 @@ def clamp_wait_ms(value: int) -> int:
 class RunChildIn(StrictSerializer):
     """Body of ``POST /v1/runs/{id}/children``."""
 
-    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
+    name = StrictCharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
     deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
-    childLimit = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=1_000_000)
+    childLimit = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=1_000_000)
 
 
 class RunCreateIn(RunChildIn):
     """Body of ``POST /v1/runs``."""
 
-    parentId = serializers.CharField(required=False, allow_null=True, max_length=100)
+    parentId = StrictCharField(required=False, allow_null=True, max_length=100)
 
 
 class RunCancelIn(StrictSerializer):
     """Body of ``POST /v1/runs/{id}/cancel``."""
 
-    reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
+    reason = StrictCharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
 
 
 class RunListQuery(ListQuery):
@@ -137,11 +170,23 @@ class RunPageOut(serializers.Serializer):
 
 # Events ----------------------------------------------------------------------------------
 
+# An event's cursor (its ``id``) as the schema gives it: ``<txid>-<event id>``, both numbers
+# bigints (``selectors.event_cursor_parse``), of at most 18 digits here so that the pattern
+# never admits one above the bigint maximum (a txid of 19 digits is centuries of transactions).
+EVENT_CURSOR = "[0-9]{1,18}-[0-9]{1,18}"
+EVENT_CURSOR_PATTERN = f"^{EVENT_CURSOR}$"
+
+
+class EventCursorField(serializers.CharField):
+    """An event cursor: a ``CharField`` (the view parses it); the schema gives it ``EVENT_CURSOR_PATTERN``."""
+
+    schema_pattern = EVENT_CURSOR_PATTERN
+
 
 class EventListQuery(serializers.Serializer):
     """Query of ``GET /v1/events``."""
 
-    after = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    after = EventCursorField(required=False, allow_blank=True, max_length=100)
     types = serializers.CharField(required=False, allow_blank=True, max_length=2000)
     runId = serializers.CharField(required=False, max_length=100)
     limit = serializers.IntegerField(required=False, min_value=1, max_value=1000, default=100)
@@ -199,8 +244,8 @@ class MailboxEnsureIn(StrictSerializer):
     """Body of ``PUT /v1/mailboxes/{name}``."""
 
     mode = serializers.ChoiceField(choices=MailboxMode.choices)
-    leaseTtlMs = serializers.IntegerField(required=False, min_value=100, max_value=86_400_000)
-    maxAttempts = serializers.IntegerField(required=False, min_value=1, max_value=1000)
+    leaseTtlMs = StrictIntegerField(required=False, min_value=100, max_value=86_400_000)
+    maxAttempts = StrictIntegerField(required=False, min_value=1, max_value=1000)
 
 
 class MailboxOut(serializers.Serializer):
@@ -224,29 +269,16 @@ class TaskSpecIn(StrictSerializer):
     """One task of ``POST /v1/mailboxes/{name}/tasks/batch``."""
 
     input = PayloadField(required=False, default=dict)
-    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
-    priority = serializers.IntegerField(required=False, min_value=-1_000_000, max_value=1_000_000, default=0)
-    maxAttempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    key = StrictCharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+    priority = StrictIntegerField(required=False, min_value=-1_000_000, max_value=1_000_000, default=0)
+    maxAttempts = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
     expiresAt = serializers.DateTimeField(required=False, allow_null=True, default=None)
 
 
 class TaskSubmitIn(TaskSpecIn):
     """Body of ``POST /v1/mailboxes/{name}/tasks``."""
 
-    runId = serializers.CharField(max_length=100)
-
-
-class StrictCharField(serializers.CharField):
-    """A string that must arrive as a JSON string (DRF's CharField turns ``0`` into ``"0"``).
-
-    Where a wrong id answers 200 with a per-item error instead of 404, a number in its place
-    must be a 400, as the schema says.
-    """
-
-    def to_internal_value(self, data):  # noqa: D102
-        if not isinstance(data, str):
-            self.fail("invalid")
-        return super().to_internal_value(data)
+    runId = StrictCharField(max_length=100)
 
 
 MAX_CLAIM_BATCH = 500  # per HTTP call; the service itself takes up to claims.MAX_BATCH
@@ -255,7 +287,7 @@ MAX_CLAIM_BATCH = 500  # per HTTP call; the service itself takes up to claims.MA
 class TaskBatchIn(StrictSerializer):
     """Body of ``POST /v1/mailboxes/{name}/tasks/batch``: all of them or none."""
 
-    runId = serializers.CharField(max_length=100)
+    runId = StrictCharField(max_length=100)
     tasks = TaskSpecIn(many=True, min_length=1, max_length=MAX_SUBMIT_BATCH)
 
 
@@ -287,14 +319,14 @@ class TaskOut(serializers.Serializer):
 class TaskCancelIn(StrictSerializer):
     """Body of ``POST /v1/tasks/{id}/cancel``."""
 
-    reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
-    graceMs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=86_400_000)
+    reason = StrictCharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
+    graceMs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=86_400_000)
 
 
 class TaskRerunIn(StrictSerializer):
     """Body of ``POST /v1/tasks/{id}/rerun``: without ``input``, the old task's input is used."""
 
-    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+    key = StrictCharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
     input = PayloadField(required=False)
 
 
@@ -307,11 +339,11 @@ class WaitQuery(serializers.Serializer):
 class ClaimIn(StrictSerializer):
     """Body of ``POST /v1/mailboxes/{name}/claims``."""
 
-    runId = serializers.CharField(max_length=100)
-    workerId = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
-    leaseTtlMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
-    max = serializers.IntegerField(required=False, min_value=1, max_value=100, default=1)
-    waitMs = serializers.IntegerField(required=False, min_value=0, default=0)
+    runId = StrictCharField(max_length=100)
+    workerId = StrictCharField(required=False, allow_blank=True, max_length=200, default="")
+    leaseTtlMs = StrictIntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+    max = StrictIntegerField(required=False, min_value=1, max_value=100, default=1)
+    waitMs = StrictIntegerField(required=False, min_value=0, default=0)
 
 
 class ClaimOut(serializers.Serializer):
@@ -355,7 +387,7 @@ class ClaimRenewItemIn(StrictSerializer):
     """One item of ``POST /v1/claims/renew``."""
 
     claimId = StrictCharField(max_length=200)
-    leaseTtlMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+    leaseTtlMs = StrictIntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
 
 
 class ClaimsRenewIn(StrictSerializer):
@@ -404,7 +436,7 @@ class ClaimsRenewOut(serializers.Serializer):
 class RenewIn(StrictSerializer):
     """Body of ``POST /v1/claims/{id}/renew``."""
 
-    leaseTtlMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+    leaseTtlMs = StrictIntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
 
 
 class CompleteIn(StrictSerializer):
@@ -417,8 +449,8 @@ class FailIn(StrictSerializer):
     """Body of ``POST /v1/claims/{id}/fail``."""
 
     error = PayloadField(required=False, allow_null=True, default=None, help_text=ERROR_HELP)
-    retry = serializers.BooleanField(required=False, default=False)
-    retryDelayMs = serializers.IntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
+    retry = StrictBooleanField(required=False, default=False)
+    retryDelayMs = StrictIntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
 
 
 # Messages --------------------------------------------------------------------------------
@@ -427,9 +459,9 @@ class FailIn(StrictSerializer):
 class MessageSendIn(StrictSerializer):
     """Body of ``POST /v1/mailboxes/{name}/messages``."""
 
-    runId = serializers.CharField(max_length=100)
+    runId = StrictCharField(max_length=100)
     body = PayloadField()
-    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+    key = StrictCharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
 
 
 class MessageOut(serializers.Serializer):
@@ -451,10 +483,10 @@ class MessageOut(serializers.Serializer):
 class ReceiveIn(StrictSerializer):
     """Body of ``POST /v1/mailboxes/{name}/deliveries``."""
 
-    runId = serializers.CharField(max_length=100)
-    max = serializers.IntegerField(required=False, min_value=1, max_value=100, default=1)
-    visibilityMs = serializers.IntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
-    waitMs = serializers.IntegerField(required=False, min_value=0, default=0)
+    runId = StrictCharField(max_length=100)
+    max = StrictIntegerField(required=False, min_value=1, max_value=100, default=1)
+    visibilityMs = StrictIntegerField(required=False, allow_null=True, min_value=100, max_value=86_400_000)
+    waitMs = StrictIntegerField(required=False, min_value=0, default=0)
 
 
 class DeliveryOut(serializers.Serializer):
@@ -482,19 +514,19 @@ class DeliveryCompleteIn(StrictSerializer):
 class DeliveryRetryIn(StrictSerializer):
     """Body of ``POST /v1/deliveries/{id}/retry``."""
 
-    delayMs = serializers.IntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
+    delayMs = StrictIntegerField(required=False, min_value=0, max_value=86_400_000, default=0)
 
 
 class DeliveryRejectIn(StrictSerializer):
     """Body of ``POST /v1/deliveries/{id}/reject``."""
 
-    reason = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
+    reason = StrictCharField(required=False, allow_null=True, allow_blank=True, max_length=MAX_REASON_LENGTH)
 
 
 class DeliveryExtendIn(StrictSerializer):
     """Body of ``POST /v1/deliveries/{id}/extend``: the new visibility, counted from now."""
 
-    visibilityMs = serializers.IntegerField(min_value=100, max_value=86_400_000)
+    visibilityMs = StrictIntegerField(min_value=100, max_value=86_400_000)
 
 
 # Groups ----------------------------------------------------------------------------------
@@ -503,13 +535,13 @@ class DeliveryExtendIn(StrictSerializer):
 class GroupCreateIn(StrictSerializer):
     """Body of ``POST /v1/groups``."""
 
-    mailbox = serializers.CharField(max_length=100)
+    mailbox = StrictCharField(max_length=100)
     condition = serializers.ChoiceField(choices=GroupCondition.choices)
-    threshold = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=100)
-    expectedMembers = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=100)
+    threshold = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=100)
+    expectedMembers = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=100)
     deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
-    parentScopeId = serializers.CharField(required=False, allow_null=True, max_length=100)
-    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
+    parentScopeId = StrictCharField(required=False, allow_null=True, max_length=100)
+    name = StrictCharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
 
 
 class GroupMemberOut(serializers.Serializer):
@@ -548,13 +580,13 @@ class GroupMemberSubmitIn(StrictSerializer):
     """Body of ``POST /v1/groups/{id}/members``."""
 
     input = PayloadField(required=False, default=dict)
-    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+    key = StrictCharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
 
 
 class GroupJoinIn(StrictSerializer):
     """Body of ``POST /v1/groups/{id}/join``."""
 
-    taskId = serializers.CharField(max_length=100)
+    taskId = StrictCharField(max_length=100)
 
 
 class MemberTaskOut(TaskOut):
@@ -588,15 +620,15 @@ class VerdictOut(serializers.Serializer):
 class BarrierCreateIn(StrictSerializer):
     """Body of ``POST /v1/barriers``."""
 
-    runId = serializers.CharField(max_length=100)
-    target = serializers.IntegerField(min_value=1, max_value=100_000)
-    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
+    runId = StrictCharField(max_length=100)
+    target = StrictIntegerField(min_value=1, max_value=100_000)
+    name = StrictCharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
 
 
 class BarrierArriveIn(StrictSerializer):
     """Body of ``POST /v1/barriers/{id}/arrive``."""
 
-    key = serializers.CharField(max_length=MAX_KEY_LENGTH)
+    key = StrictCharField(max_length=MAX_KEY_LENGTH)
 
 
 class BarrierOut(serializers.Serializer):
@@ -616,9 +648,19 @@ class BarrierOut(serializers.Serializer):
 class TimerCreateIn(StrictSerializer):
     """Body of ``POST /v1/timers``: exactly one of ``at`` and ``afterSeconds``."""
 
-    runId = serializers.CharField(max_length=100)
+    runId = StrictCharField(max_length=100)
     at = serializers.DateTimeField(required=False, allow_null=True, default=None)
-    afterSeconds = serializers.FloatField(required=False, allow_null=True, default=None, min_value=0)
+    afterSeconds = StrictFloatField(required=False, allow_null=True, default=None, min_value=0)
+
+    # What timers.timer_create checks beyond the fields, for the OpenAPI schema (coordination/api/schema.py):
+    # exactly one of the two not null, and a delay of at most MAX_DELAY_S.
+    schema_constraints = {
+        "properties": {"afterSeconds": {"maximum": MAX_DELAY_S}},
+        "oneOf": [
+            {"required": ["at"], "properties": {"at": {"type": "string"}}},
+            {"required": ["afterSeconds"], "properties": {"afterSeconds": {"type": "number"}}},
+        ],
+    }
 
 
 class TimerOut(serializers.Serializer):

@@ -36,7 +36,7 @@ class IssuedKey:
 @transaction.atomic
 def project_ensure(*, name: str) -> Project:
     """Return the project called ``name`` (a slug), creating it if needed."""
-    if not PROJECT_NAME_PATTERN.match(name or ""):
+    if not PROJECT_NAME_PATTERN.fullmatch(name or ""):
         raise exceptions.ValidationFailed("Invalid project name.", name="1-100 of a-z A-Z 0-9 _ -")
     project, _ = Project.objects.get_or_create(name=name)
     return project

@@ -42,7 +42,7 @@ def mailbox_ensure(
     An existing mailbox keeps its mode (another mode is ``MAILBOX_MODE_CONFLICT``); settings
     given explicitly are updated.
     """
-    if not NAME_PATTERN.match(name or ""):
+    if not NAME_PATTERN.fullmatch(name or ""):
         raise exceptions.ValidationFailed("Invalid mailbox name.", name="1-100 of A-Z a-z 0-9 . _ -")
     if mode not in MailboxMode.values:
         raise exceptions.ValidationFailed("Invalid mode.", mode="WORK or QUEUE")
@@ -80,7 +80,7 @@ def mailbox_get(*, project_id: uuid.UUID, name: str, mode: MailboxMode | None = 
             (project_id, name),
             lambda: Mailbox.objects.filter(project_id=project_id, name=name).first(),
         )
-        if NAME_PATTERN.match(name)
+        if NAME_PATTERN.fullmatch(name)
         else None
     )
     if mailbox is None:

@@ -71,7 +71,7 @@ def _event(lease: PoolLease, type: str, pool: Pool, **data) -> Event:
 def _lock_pool(project_id: uuid.UUID, name: str) -> Pool:
     # No pool has a name pool_put refuses; asking the database could fail on it (a NUL).
     pool = None
-    if NAME_PATTERN.match(name):
+    if NAME_PATTERN.fullmatch(name):
         pool = Pool.objects.select_for_update().filter(project_id=project_id, name=name).first()
     if pool is None:
         raise exceptions.NotFound("Pool not found.", pool=name)
@@ -80,7 +80,7 @@ def _lock_pool(project_id: uuid.UUID, name: str) -> Pool:
 
 def pool_get(*, project_id: uuid.UUID, name: str) -> Pool:
     """Return the project's pool ``name``, or raise ``NotFound``."""
-    pool = Pool.objects.filter(project_id=project_id, name=name).first() if NAME_PATTERN.match(name) else None
+    pool = Pool.objects.filter(project_id=project_id, name=name).first() if NAME_PATTERN.fullmatch(name) else None
     if pool is None:
         raise exceptions.NotFound("Pool not found.", pool=name)
     return pool
@@ -184,7 +184,7 @@ def pool_put(*, project_id: uuid.UUID, name: str, capacity: int) -> tuple[Pool, 
     """
     if not 1 <= capacity <= MAX_CAPACITY:
         raise exceptions.ValidationFailed("Invalid capacity.", capacity=f"between 1 and {MAX_CAPACITY}")
-    if not NAME_PATTERN.match(name or ""):
+    if not NAME_PATTERN.fullmatch(name or ""):
         raise exceptions.ValidationFailed("Invalid pool name.", name="1-100 of A-Z a-z 0-9 . _ -")
     now = timezone.now()
     try:
@@ -257,7 +257,7 @@ def pool_acquire(
     if not 1 <= lease_ttl_ms <= MAX_LEASE_TTL_MS:
         raise exceptions.ValidationFailed("Invalid leaseTtlMs.", leaseTtlMs=f"between 1 and {MAX_LEASE_TTL_MS}")
     # A key asks for "the lease already held under it": the careful path looks it up.
-    if not key and sql.fast_paths_enabled() and NAME_PATTERN.match(name):
+    if not key and sql.fast_paths_enabled() and NAME_PATTERN.fullmatch(name):
         now = timezone.now()
         rows = sql.fetch_models(
             PoolLease,

@@ -61,13 +61,13 @@ def retry_after_ms(quota: Quota, level_micro: int, amount: int) -> int:
 
 
 def _check_name(name: str) -> None:
-    if not NAME_PATTERN.match(name or ""):
+    if not NAME_PATTERN.fullmatch(name or ""):
         raise exceptions.ValidationFailed("Invalid quota name.", name="1-100 of A-Z a-z 0-9 . _ -")
 
 
 def _must_exist_by_name(name: str) -> None:
     """Refuse a name no quota can have as ``NotFound`` before asking the database (which a NUL would fail)."""
-    if not NAME_PATTERN.match(name or ""):
+    if not NAME_PATTERN.fullmatch(name or ""):
         raise exceptions.NotFound("Quota not found.", quota=name)
 
 

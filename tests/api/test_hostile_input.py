@@ -99,7 +99,7 @@ def test_unicode_payloads_round_trip(api, work):
     assert response.status_code == 201 and response.json()["input"] == payload
 
 
-@pytest.mark.parametrize("name", ["%00", "a%00b", "x" * 3000])
+@pytest.mark.parametrize("name", ["%00", "a%00b", "x" * 3000, "jobs%0A", "jobs%0D%0A"])
 def test_a_mailbox_name_no_mailbox_can_have_is_404_on_every_mailbox_operation(api, work, name):
     """A NUL in the path's mailbox name reached PostgreSQL, which refused it: a 500."""
     run_id = work["id"]
@@ -114,6 +114,37 @@ def test_a_mailbox_name_no_mailbox_can_have_is_404_on_every_mailbox_operation(ap
         assert response.status_code == 404 and code(response) == "NOT_FOUND", (suffix, response.content)
     response = api.put(f"/v1/mailboxes/{name}", {"mode": "WORK"}, format="json")
     assert response.status_code == 400 and code(response) == "VALIDATION_ERROR"
+
+
+# (method, path, body, the field): a value of another JSON type than the schema names.
+WRONG_JSON_TYPES = [
+    ("post", "/v1/runs", {"name": 5}, "name"),
+    ("post", "/v1/mailboxes/jobs/tasks", {"runId": "{run}", "key": 5}, "key"),
+    ("post", "/v1/mailboxes/jobs/tasks", {"runId": "{run}", "priority": "3"}, "priority"),
+    ("post", "/v1/mailboxes/jobs/tasks", {"runId": "{run}", "priority": True}, "priority"),
+    ("post", "/v1/mailboxes/jobs/tasks", {"runId": "{run}", "priority": 3.5}, "priority"),
+    ("post", "/v1/mailboxes/jobs/claims", {"runId": "{run}", "workerId": 7}, "workerId"),
+    ("post", "/v1/mailboxes/jobs/claims", {"runId": "{run}", "max": "2"}, "max"),
+    ("put", "/v1/mailboxes/jobs", {"mode": "WORK", "leaseTtlMs": "1000"}, "leaseTtlMs"),
+    ("put", "/v1/quotas/q", {"limit": "5", "periodMs": 1000}, "limit"),
+    ("post", "/v1/timers", {"runId": "{run}", "afterSeconds": "5"}, "afterSeconds"),
+    ("post", "/v1/runs/{run}/cancel", {"reason": 1}, "reason"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "field"), WRONG_JSON_TYPES)
+def test_a_value_of_another_json_type_is_refused_not_converted(api, work, method, path, body, field):
+    """DRF's fields converted them: ``5`` became the key ``"5"``, ``"3"`` the priority 3."""
+    run = work["id"]
+    body = {name: value.format(run=run) if isinstance(value, str) else value for name, value in body.items()}
+    response = getattr(api, method)(path.format(run=run), body, format="json")
+    assert response.status_code == 400 and code(response) == "VALIDATION_ERROR", response.content
+    assert field in response.json()["error"]["details"], response.content
+
+
+def test_a_json_integer_written_with_a_fraction_of_zero_is_an_integer(api, work):
+    response = api.post("/v1/mailboxes/jobs/tasks", {"runId": work["id"], "priority": 3.0}, format="json")
+    assert response.status_code == 201 and response.json()["priority"] == 3, response.content
 
 
 HOSTILE_PATH_VALUES = ["%00", "%FF%FE", "%ED%A0%80", "..", "%20", "x" * 3000, "%F0%9F%98%80" * 50]

@@ -2,10 +2,11 @@
 
 from datetime import UTC, datetime, timedelta
 
+import jsonschema
 import pytest
 
 from coordination.models import Event, Run, Timer
-from coordination.services.timers import timer_fire, timers_fire_due
+from coordination.services.timers import MAX_DELAY_S, timer_fire, timers_fire_due
 from tests.conftest import err, make_client
 
 pytestmark = pytest.mark.django_db
@@ -127,3 +128,46 @@ def test_another_projects_timer_is_not_found(api, other_api, run):
     err(other_api.get(f"/v1/timers/{timer['id']}"), 404, "NOT_FOUND")
     err(other_api.post(f"/v1/timers/{timer['id']}/cancel"), 404, "NOT_FOUND")
     err(other_api.post(f"/v1/timers/{timer['id']}/wait"), 404, "NOT_FOUND")
+
+
+def nullable_as_null(schema):
+    """Return ``schema`` with OpenAPI 3.0's ``nullable: true`` as JSON Schema's ``"null"`` type (for jsonschema)."""
+    if isinstance(schema, list):
+        return [nullable_as_null(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    converted = {key: nullable_as_null(value) for key, value in schema.items() if key != "nullable"}
+    if schema.get("nullable") and "type" in converted:
+        converted["type"] = [converted["type"], "null"]
+    return converted
+
+
+def test_the_schema_admits_a_timer_body_exactly_when_the_api_arms_it(api, run):
+    """Exactly one of ``at`` and ``afterSeconds``, a delay of at most ``MAX_DELAY_S``: the schema says so too.
+
+    Both, neither, or a delay above the maximum were schema-valid and a 400.
+    """
+    schema = api.get("/v1/schema", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    validator = jsonschema.Draft4Validator(
+        {"$ref": "#/components/schemas/TimerCreateInRequest", "components": nullable_as_null(schema["components"])}
+    )
+    soon = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    bodies = [
+        {},
+        {"at": None, "afterSeconds": None},
+        {"at": soon, "afterSeconds": 5},
+        {"at": soon, "afterSeconds": None},
+        {"at": None, "afterSeconds": 5},
+        {"at": soon},
+        {"afterSeconds": 0},
+        {"afterSeconds": MAX_DELAY_S},
+        {"afterSeconds": MAX_DELAY_S + 0.5},
+        {"afterSeconds": 1e300},
+    ]
+    for body in bodies:
+        body = {"runId": run["id"], **body}
+        admitted = validator.is_valid(body)
+        response = api.post("/v1/timers", body, format="json")
+        assert response.status_code == (201 if admitted else 400), (body, response.json())
+        if not admitted:
+            assert response.json()["error"]["code"] == "VALIDATION_ERROR"

@@ -23,7 +23,7 @@ from coordination.states import Permission, PoolLeaseState
 class PoolPutIn(s.StrictSerializer):
     """Body of ``PUT /v1/pools/{name}``."""
 
-    capacity = serializers.IntegerField(min_value=1, max_value=pool_services.MAX_CAPACITY)
+    capacity = s.StrictIntegerField(min_value=1, max_value=pool_services.MAX_CAPACITY)
 
 
 class PoolOut(serializers.Serializer):
@@ -38,19 +38,19 @@ class PoolOut(serializers.Serializer):
 class PoolAcquireIn(s.StrictSerializer):
     """Body of ``POST /v1/pools/{name}/leases``."""
 
-    runId = serializers.CharField(max_length=100)
-    units = serializers.IntegerField(required=False, min_value=1, max_value=pool_services.MAX_CAPACITY, default=1)
-    leaseTtlMs = serializers.IntegerField(
+    runId = s.StrictCharField(max_length=100)
+    units = s.StrictIntegerField(required=False, min_value=1, max_value=pool_services.MAX_CAPACITY, default=1)
+    leaseTtlMs = s.StrictIntegerField(
         required=False, min_value=100, max_value=pool_services.MAX_LEASE_TTL_MS, default=None, allow_null=True
     )
-    waitMs = serializers.IntegerField(required=False, min_value=0, default=0)
-    key = serializers.CharField(required=False, allow_blank=True, max_length=200, default="")
+    waitMs = s.StrictIntegerField(required=False, min_value=0, default=0)
+    key = s.StrictCharField(required=False, allow_blank=True, max_length=200, default="")
 
 
 class PoolLeaseRenewIn(s.StrictSerializer):
     """Body of ``POST /v1/pool-leases/{id}/renew``."""
 
-    leaseTtlMs = serializers.IntegerField(
+    leaseTtlMs = s.StrictIntegerField(
         required=False, min_value=100, max_value=pool_services.MAX_LEASE_TTL_MS, default=None, allow_null=True
     )
 
