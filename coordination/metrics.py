@@ -92,8 +92,18 @@ WAIT_ANSWERS_RENDERED = Counter(
 
 def observe_request(*, method: str, route: str, status: int, seconds: float) -> None:
     """Count one answered request."""
-    HTTP_REQUESTS.labels(method, route, str(status)).inc()
-    HTTP_LATENCY.labels(method, route).observe(seconds)
+    children = _request_children.get((method, route, status))
+    if children is None:  # ``labels`` looks its child up under a lock: once per (method, route, status)
+        children = (HTTP_REQUESTS.labels(method, route, str(status)), HTTP_LATENCY.labels(method, route))
+        if len(_request_children) < MAX_REQUEST_CHILDREN:
+            _request_children[(method, route, status)] = children
+    children[0].inc()
+    children[1].observe(seconds)
+
+
+# The request metrics' children by (method, route, status); routes are the URLconf's, so few.
+_request_children: dict[tuple, tuple] = {}
+MAX_REQUEST_CHILDREN = 1000
 
 
 def _process_registry() -> CollectorRegistry:

@@ -23,6 +23,8 @@ instance pickled, with the related rows it carries and its mutable field values 
 list of permissions), and each hit is a fresh copy of it. A caller may change or save what
 it got (a request's thread sets an attribute, a service saves the mailbox) without another
 thread, or the next request, seeing the change. A copy costs about 20 µs, no query.
+``RowCache.get_shared`` hands out instead one immutable value derived from the entry once
+(the hot path's ``services.keys.CachedKey``): nobody can change it, so one serves every caller.
 
 Caching is turned on by the API's ASGI application (``runstate_project.asgi``), the one
 place that serves keys and mailboxes at request rates, and by a Celery worker's process at
@@ -50,6 +52,7 @@ class _Entry:
     row_id: str
     expires_at: float
     epoch: int
+    shared: Any = None  # ``get_shared``'s value, made at its first call
 
 
 class RowCache:
@@ -64,13 +67,31 @@ class RowCache:
 
     def get(self, key: Hashable) -> Any | None:
         """Return a copy of the cached value of ``key``, or None (absent, expired, or read before a reconnect)."""
+        entry = self._live(key)
+        return None if entry is None else pickle.loads(entry.snapshot)
+
+    def get_shared(self, key: Hashable, share: Callable[[Any], Any]) -> Any | None:
+        """Return ``share(a copy)`` of ``key``'s cached value, made once per entry and then handed to every caller.
+
+        ``share`` (the same function for every caller of this cache) must return an immutable
+        value: it is not copied. None when ``get`` would answer None.
+        """
+        entry = self._live(key)
+        if entry is None:
+            return None
+        if entry.shared is None:  # two threads at once each make it once: equal values, the last kept
+            entry.shared = share(pickle.loads(entry.snapshot))
+        return entry.shared
+
+    def _live(self, key: Hashable) -> _Entry | None:
+        """Return ``key``'s entry if it may be answered from: present, unexpired, read since the last reconnect."""
         epoch = _state.epoch
         if epoch is None:
             return None
         entry = self._entries.get(key)
         if entry is None or entry.epoch != epoch or entry.expires_at < time.monotonic():
             return None
-        return pickle.loads(entry.snapshot)
+        return entry
 
     def load(self, key: Hashable, read: Callable[[], Any]) -> Any:
         """Return ``key``'s row from the cache, or ``read()`` it and keep it unless it was invalidated meanwhile.

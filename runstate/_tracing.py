@@ -111,7 +111,7 @@ def valid_traceparent(value: str | None) -> bool:
     """Return whether ``value`` is a W3C ``traceparent`` a context can be taken from."""
     if not value or len(value) > 512:
         return False
-    match = _TRACEPARENT.match(value)
+    match = _TRACEPARENT.fullmatch(value)
     if match is None:
         return False
     version, trace_id, span_id, _, rest = match.groups()

@@ -41,7 +41,7 @@ from django.core.handlers.base import BaseHandler
 from django.core.handlers.exception import convert_exception_to_response, response_for_exception
 from django.db import close_old_connections
 from django.http import Http404
-from django.urls import URLResolver, get_resolver, set_script_prefix
+from django.urls import set_script_prefix
 
 from runstate_project.tracing import server_spans, setup_tracing
 
@@ -289,14 +289,12 @@ def _needs_key(path: str) -> bool:
     return _keyed_routes().match(path) is not None
 
 
-def routes(resolver: URLResolver | None = None, prefix: str = "^/"):
+def routes():
     """Yield ``(full path regex, view)`` for every URL pattern of the project."""
-    for pattern in (resolver or get_resolver()).url_patterns:
-        regex = prefix + pattern.pattern.regex.pattern.removeprefix("^")
-        if isinstance(pattern, URLResolver):
-            yield from routes(pattern, regex)
-        else:
-            yield regex, pattern.callback
+    from coordination.api.hot.routes import url_patterns
+
+    for regex, chain in url_patterns():
+        yield regex, chain[-1].callback
 
 
 def _routes_of(views) -> re.Pattern:

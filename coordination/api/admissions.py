@@ -4,7 +4,14 @@ from rest_framework import serializers
 
 from coordination import selectors
 from coordination.api.presenters import iso, present_run
-from coordination.api.serializers import MAX_KEY_LENGTH, MAX_NAME_LENGTH, RunOut, StrictSerializer
+from coordination.api.serializers import (
+    MAX_KEY_LENGTH,
+    MAX_NAME_LENGTH,
+    RunOut,
+    StrictCharField,
+    StrictIntegerField,
+    StrictSerializer,
+)
 from coordination.models import Admission, AdmissionConfig
 from coordination.services.admissions import MAX_ACTIVE, admission_position
 from coordination.states import AdmissionState
@@ -13,7 +20,7 @@ from coordination.states import AdmissionState
 class AdmissionConfigIn(StrictSerializer):
     """Body of ``PUT /v1/runs/{id}/admission``."""
 
-    maxActive = serializers.IntegerField(min_value=0, max_value=MAX_ACTIVE)
+    maxActive = StrictIntegerField(min_value=0, max_value=MAX_ACTIVE)
 
 
 class AdmissionConfigOut(serializers.Serializer):
@@ -29,9 +36,9 @@ class AdmissionConfigOut(serializers.Serializer):
 class AdmissionRequestIn(StrictSerializer):
     """Body of ``POST /v1/runs/{id}/admissions``."""
 
-    name = serializers.CharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
-    key = serializers.CharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
-    waitMs = serializers.IntegerField(required=False, min_value=0, default=0)
+    name = StrictCharField(required=False, allow_blank=True, max_length=MAX_NAME_LENGTH, default="")
+    key = StrictCharField(required=False, allow_null=True, max_length=MAX_KEY_LENGTH, default=None)
+    waitMs = StrictIntegerField(required=False, min_value=0, default=0)
     deadline = serializers.DateTimeField(required=False, allow_null=True, default=None)
 
 

@@ -25,7 +25,7 @@ from rest_framework.exceptions import AuthenticationFailed, NotAuthenticated
 
 from coordination.api.auth import AUTHENTICATE_HEADER, UNUSABLE_KEY, bearer_key
 from coordination.api.errors import body_too_large, database_unavailable, envelope
-from coordination.services.keys import api_key_authenticate
+from coordination.services.keys import api_key_authenticate, cached_key
 
 
 class BodyTooLarge(Exception):
@@ -71,7 +71,7 @@ async def refusal(scope, *, needs_key: bool) -> JsonResponse | None:
         plaintext = bearer_key(header(scope, b"authorization"))
         if plaintext is None:
             raise NotAuthenticated()
-        if api_key_authenticate(plaintext, cached_only=True) is None:
+        if cached_key(plaintext) is None:
             if await sync_to_async(_authenticate, thread_sensitive=True)(plaintext) is None:
                 raise AuthenticationFailed(UNUSABLE_KEY)
     except (NotAuthenticated, AuthenticationFailed) as error:

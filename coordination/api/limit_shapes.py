@@ -3,7 +3,7 @@
 from rest_framework import serializers
 
 from coordination.api.presenters import iso
-from coordination.api.serializers import MAX_NAME_LENGTH, StrictSerializer
+from coordination.api.serializers import MAX_NAME_LENGTH, StrictCharField, StrictIntegerField, StrictSerializer
 from coordination.models import Budget, BudgetReservation, Quota
 from coordination.services import budgets as budget_services
 from coordination.services import quotas as quota_services
@@ -15,8 +15,8 @@ from coordination.states import ReservationState
 class QuotaPutIn(StrictSerializer):
     """Body of ``PUT /v1/quotas/{name}``."""
 
-    limit = serializers.IntegerField(min_value=1, max_value=quota_services.MAX_LIMIT)
-    periodMs = serializers.IntegerField(min_value=1, max_value=quota_services.MAX_PERIOD_MS)
+    limit = StrictIntegerField(min_value=1, max_value=quota_services.MAX_LIMIT)
+    periodMs = StrictIntegerField(min_value=1, max_value=quota_services.MAX_PERIOD_MS)
 
 
 class QuotaOut(serializers.Serializer):
@@ -31,9 +31,9 @@ class QuotaOut(serializers.Serializer):
 class QuotaTakeIn(StrictSerializer):
     """Body of ``POST /v1/quotas/{name}/take``."""
 
-    runId = serializers.CharField(max_length=100)
-    amount = serializers.IntegerField(required=False, default=1, min_value=1, max_value=quota_services.MAX_LIMIT)
-    waitMs = serializers.IntegerField(required=False, default=0, min_value=0)
+    runId = StrictCharField(max_length=100)
+    amount = StrictIntegerField(required=False, default=1, min_value=1, max_value=quota_services.MAX_LIMIT)
+    waitMs = StrictIntegerField(required=False, default=0, min_value=0)
 
 
 class QuotaTakeOut(serializers.Serializer):
@@ -59,14 +59,14 @@ def present_quota(quota: Quota) -> dict:
 class BudgetCreateIn(StrictSerializer):
     """Body of ``POST /v1/runs/{id}/budgets``."""
 
-    name = serializers.CharField(max_length=MAX_NAME_LENGTH)
-    limit = serializers.IntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
+    name = StrictCharField(max_length=MAX_NAME_LENGTH)
+    limit = StrictIntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
 
 
 class BudgetLimitIn(StrictSerializer):
     """Body of ``PATCH /v1/budgets/{id}``."""
 
-    limit = serializers.IntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
+    limit = StrictIntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
 
 
 class BudgetOut(serializers.Serializer):
@@ -85,21 +85,19 @@ class BudgetOut(serializers.Serializer):
 class ReservationCreateIn(StrictSerializer):
     """Body of ``POST /v1/budget-reservations``."""
 
-    runId = serializers.CharField(max_length=100)
-    budget = serializers.CharField(max_length=MAX_NAME_LENGTH)
-    amount = serializers.IntegerField(min_value=1, max_value=budget_services.MAX_AMOUNT)
-    ttlMs = serializers.IntegerField(
+    runId = StrictCharField(max_length=100)
+    budget = StrictCharField(max_length=MAX_NAME_LENGTH)
+    amount = StrictIntegerField(min_value=1, max_value=budget_services.MAX_AMOUNT)
+    ttlMs = StrictIntegerField(
         required=False, default=budget_services.DEFAULT_TTL_MS, min_value=1, max_value=budget_services.MAX_TTL_MS
     )
-    key = serializers.CharField(
-        required=False, allow_null=True, default=None, max_length=budget_services.MAX_KEY_LENGTH
-    )
+    key = StrictCharField(required=False, allow_null=True, default=None, max_length=budget_services.MAX_KEY_LENGTH)
 
 
 class ReservationCommitIn(StrictSerializer):
     """Body of ``POST /v1/budget-reservations/{id}/commit``."""
 
-    amount = serializers.IntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
+    amount = StrictIntegerField(min_value=0, max_value=budget_services.MAX_AMOUNT)
 
 
 class ReservationOut(serializers.Serializer):

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 _PERIODS_S = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600}
 _PERIODS_S |= {"d": 86400, "day": 86400}
 REDIS_TIMEOUT_S = 0.25
+# A connect gets longer: a process's first burst opens its pool's connections all at once,
+# and on a loaded machine those connects outlasted 0.25 s, so a healthy Redis was counted
+# as down for ``REDIS_BACKOFF_S``. A Redis that refuses connections still fails at once.
+REDIS_CONNECT_TIMEOUT_S = 1.0
 # After a Redis error, count locally for this long before trying Redis again.
 REDIS_BACKOFF_S = 5.0
 # A process's Redis connections for its counts (the request threads' and each event loop's):
@@ -103,7 +107,7 @@ class RedisWindows:
             max_connections=REDIS_CONNECTIONS,
             timeout=REDIS_POOL_WAIT_S,
             socket_timeout=REDIS_TIMEOUT_S,
-            socket_connect_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
         )
         self._client = redis.Redis(connection_pool=pool)
         self._count = self._client.register_script(_COUNT_SCRIPT)
@@ -125,7 +129,7 @@ class AsyncRedisWindows:
             max_connections=REDIS_CONNECTIONS,
             timeout=REDIS_POOL_WAIT_S,
             socket_timeout=REDIS_TIMEOUT_S,
-            socket_connect_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
         )
         self._client = redis.asyncio.Redis(connection_pool=pool)
         self._count = self._client.register_script(_COUNT_SCRIPT)

@@ -79,14 +79,22 @@ def api_key_create(
     return IssuedKey(api_key=api_key, plaintext=plaintext)
 
 
+def _key_parts(plaintext: str) -> list[str] | None:
+    """Return ``["rs", prefix, secret]`` when ``plaintext`` has a key's shape, else None."""
+    parts = plaintext.split("_", 2)
+    if len(parts) != 3 or parts[0] != "rs" or len(parts[1]) != KEY_PREFIX_LENGTH:
+        return None
+    return parts
+
+
 def api_key_authenticate(plaintext: str, *, cached_only: bool = False) -> ApiKey | None:
     """Return the usable key matching ``plaintext``, or None (unknown, revoked, expired).
 
     ``cached_only`` answers from this process's cache alone, without the database (None
     when the key is not cached): the event loop may call it.
     """
-    parts = plaintext.split("_", 2)
-    if len(parts) != 3 or parts[0] != "rs" or len(parts[1]) != KEY_PREFIX_LENGTH:
+    parts = _key_parts(plaintext)
+    if parts is None:
         return None
     digest = hash_key(plaintext)
     # Cached by the whole key's digest: a hit is a key whose secret matched when it was read.
@@ -97,6 +105,52 @@ def api_key_authenticate(plaintext: str, *, cached_only: bool = False) -> ApiKey
     if api_key is None:
         return None
     if not api_key.is_usable(timezone.now()):
+        return None
+    return api_key
+
+
+@dataclass(frozen=True)
+class CachedKey:
+    """What the event loop reads of a cached key (``cached_key``): immutable, so one object serves every request.
+
+    ``has_permission`` and ``is_usable`` are the model's own, over the same fields.
+    """
+
+    id: uuid.UUID
+    project_id: uuid.UUID
+    run_id: uuid.UUID | None
+    permissions: frozenset[str]
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+    expires_at: datetime | None
+
+    has_permission = ApiKey.has_permission
+    is_usable = ApiKey.is_usable
+
+    @classmethod
+    def of(cls, api_key: ApiKey) -> "CachedKey":
+        """Return the fields of ``api_key`` the hot path reads."""
+        return cls(
+            id=api_key.id,
+            project_id=api_key.project_id,
+            run_id=api_key.run_id,
+            permissions=frozenset(api_key.permissions),
+            last_used_at=api_key.last_used_at,
+            revoked_at=api_key.revoked_at,
+            expires_at=api_key.expires_at,
+        )
+
+
+def cached_key(plaintext: str) -> CachedKey | None:
+    """Return ``api_key_authenticate(plaintext, cached_only=True)`` as a ``CachedKey`` every caller shares.
+
+    No copy of the cached row per call (``api_key_authenticate`` unpickles one): the event
+    loop's hot path reads a key on every request and changes nothing of it.
+    """
+    if _key_parts(plaintext) is None:
+        return None
+    api_key = process_cache.api_keys.get_shared(hash_key(plaintext), CachedKey.of)
+    if api_key is None or not api_key.is_usable(timezone.now()):
         return None
     return api_key
 

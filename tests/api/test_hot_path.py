@@ -11,6 +11,7 @@ DRF, answered the requests it serves, so the comparison cannot pass by both goin
 
 import asyncio
 import json
+import logging
 import re
 import threading
 import uuid
@@ -31,6 +32,7 @@ from coordination import process_cache, selectors
 from coordination.api import hot
 from coordination.api.auth import Principal
 from coordination.api.hot import db as hot_db
+from coordination.logging import JsonFormatter
 from coordination.models import ApiKey, Run, Task
 from coordination.services.claims import claim_id_for, task_claim
 from coordination.services.keys import api_key_authenticate, api_key_create, project_ensure
@@ -230,7 +232,17 @@ CASES = {
         submit(s, {"runId": s.run_id, "priority": 9}, extra={"traceparent": "00-nonsense"}),
         claims(s, {"runId": s.run_id}),
     ],
-    # Batch complete: POST /v1/claims/complete.
+    # A value of another JSON type than the schema's is refused, never converted.
+    "submit a number as key": lambda s: [submit(s, {"runId": s.run_id, "key": 5})],
+    "submit a string as priority": lambda s: [submit(s, {"runId": s.run_id, "priority": "3"})],
+    "submit true as priority": lambda s: [submit(s, {"runId": s.run_id, "priority": True})],
+    "submit 3.0 as priority": lambda s: [submit(s, {"runId": s.run_id, "priority": 3.0})],  # an integer to JSON
+    "claim a number as workerId": lambda s: [claims(s, {"runId": s.run_id, "workerId": 7})],
+    "claim a string as max": lambda s: [claims(s, {"runId": s.run_id, "max": "2"})],
+    "renew a string as leaseTtlMs": lambda s: [
+        request(f"/v1/claims/{s.claim_id}/renew", b'{"leaseTtlMs": "60000"}', s.key)
+    ],
+    "fail 1 as retry": lambda s: [request(f"/v1/claims/{s.claim_id}/fail", b'{"error": {}, "retry": 1}', s.key)],
     "complete batch": lambda s: [complete_many(s, both(s))],
     "complete batch, some claims lost": lambda s: [complete_many(s, [*both(s), {"claimId": lost(s)}])],
     "complete batch, every claim lost": lambda s: [complete_many(s, [{"claimId": lost(s)}])],
@@ -269,6 +281,8 @@ CASES = {
     "renew batch bound key": lambda s: [renew_many(s, [{"claimId": s.claim_id}], key=s.bound_key)],
     # Batch submit: POST /v1/mailboxes/{name}/tasks/batch.
     "submit batch": lambda s: [submit_many(s, [{"input": {"a": 1}, "priority": 2}, {"key": "k", "maxAttempts": 2}])],
+    "submit batch, a number as an item's key": lambda s: [submit_many(s, [{"input": 1}, {"key": 1}])],
+    "complete batch, a number as a claim id": lambda s: [complete_many(s, [{"claimId": 5}])],
     "submit batch, then claim": lambda s: [
         submit_many(s, [{"priority": 9, "input": 1}, {"priority": 8, "input": 2}], extra=TRACED),
         claims(s, {"runId": s.run_id, "max": 2}),
@@ -868,3 +882,55 @@ def test_a_hot_pool_opened_in_a_span_keeps_its_connections_statements_out_of_it(
     set_up = [span for span in statements.get_finished_spans() if span.name == "SET"]
     assert set_up, "no connection set its time zone"
     assert [span.parent for span in set_up] == [None] * len(set_up)
+
+
+def logged(settings, hot_on: bool, build, caplog) -> list[dict]:
+    """Answer ``build``'s requests as ``answered`` does; return the request log's lines (and Django's 4xx lines).
+
+    Each as ``JsonFormatter`` writes it, without what differs per request by construction
+    (time, duration, request id) and with ids replaced in order of appearance.
+    """
+    # Loading the application configures logging (Django's setup), which takes the capturing
+    # handler off the root logger: load it before the capture starts.
+    import runstate_project.asgi  # noqa: F401
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger().addHandler(caplog.handler)  # at most once: a handler is added once
+        answered(settings, hot_on, build)
+    seen: dict[str, str] = {}
+    lines = []
+    for record in caplog.records:
+        if record.name not in ("runstate.request", "django.request"):
+            continue
+        line = json.loads(JsonFormatter().format(record))
+        for varying in ("time", "durationMs", "requestId"):
+            line.pop(varying, None)
+        text = _ID.sub(lambda match: seen.setdefault(match[0], b"<id%d>" % len(seen)), json.dumps(line).encode())
+        lines.append(json.loads(text))
+    return lines
+
+
+LOGGED_CASES = ["complete", "claim", "submit", "complete batch", "fail", "complete twice (second: lease lost)"]
+
+
+@pytest.mark.parametrize("case", LOGGED_CASES)
+def test_the_hot_path_logs_the_lines_drf_logs(api_process, case, caplog):
+    hot_lines = logged(api_process, True, CASES[case], caplog)
+    drf_lines = logged(api_process, False, CASES[case], caplog)
+    assert hot_lines == drf_lines
+    assert "runstate.request" in [line["logger"] for line in hot_lines]
+    assert {"method", "path", "route", "status", "message", "level"} <= set(hot_lines[0])
+
+
+def test_rate_limited_requests_log_the_lines_drf_logs(api_process, caplog):
+    api_process.RUNSTATE_RATE_LIMIT = "1/min"
+
+    def build(state):
+        return [complete(state), complete(state)]
+
+    hot_lines = logged(api_process, True, build, caplog)
+    drf_lines = logged(api_process, False, build, caplog)
+    assert hot_lines == drf_lines
+    assert [line.get("status") for line in hot_lines if line["logger"] == "runstate.request"] == [200, 429]
+    assert any(line["logger"] == "django.request" for line in hot_lines)

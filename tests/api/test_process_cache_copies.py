@@ -8,13 +8,21 @@ The caches are switched on here by hand (as if the LISTEN connection were up), s
 tests need neither PostgreSQL's NOTIFY nor a server, and run on both databases.
 """
 
+import dataclasses
 import threading
 
 import pytest
 
 from coordination import process_cache
 from coordination.models import ApiKey, Mailbox, Project, Run
-from coordination.services.keys import ALL_PERMISSIONS, api_key_authenticate, api_key_create
+from coordination.services.keys import (
+    ALL_PERMISSIONS,
+    CachedKey,
+    api_key_authenticate,
+    api_key_create,
+    api_key_revoke,
+    cached_key,
+)
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from coordination.states import MailboxMode
 
@@ -127,3 +135,45 @@ def test_the_services_hand_out_a_key_and_mailbox_of_the_callers_own(caches_servi
     (changed_box,) = in_threads(lambda: mailbox_get(project_id=project.id, name="jobs"))
     changed_box.lease_ttl_ms = 1
     assert mailbox_get(project_id=project.id, name="jobs").lease_ttl_ms != 1
+
+
+def test_the_shared_key_is_one_immutable_object_and_every_copy_stays_each_callers_own(caches_serving):
+    """``get_shared`` (the hot path's key) hands every thread one value nobody can change; ``get`` still copies."""
+    key = a_key()
+    key.run = None
+    cache = process_cache.api_keys
+    cache.load("digest", lambda: key)
+    first, second = in_threads(*[lambda: cache.get_shared("digest", CachedKey.of)] * 2)
+    assert first is second
+    assert first == CachedKey.of(key) and first.permissions == frozenset({"read"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.revoked_at = "changed"
+    with pytest.raises(AttributeError):
+        first.permissions.add("admin")
+    copy = cache.get("digest")
+    copy.permissions.append("admin")
+    assert cache.get_shared("digest", CachedKey.of).permissions == frozenset({"read"})
+    assert cache.get("digest").permissions == ["read"]
+    cache.forget_row(key.pk)  # the row changed: the shared value goes with its entry
+    assert cache.get_shared("digest", CachedKey.of) is None
+
+
+@pytest.mark.django_db
+def test_the_cached_key_is_what_api_key_authenticate_answers(caches_serving, project):
+    issued = api_key_create(project_id=project.id, permissions=["coordination_read"], name="served")
+    assert cached_key(issued.plaintext) is None  # not read yet: the cache alone answers nothing
+    api_key_authenticate(issued.plaintext)
+    shared, copy = cached_key(issued.plaintext), api_key_authenticate(issued.plaintext, cached_only=True)
+    assert shared is cached_key(issued.plaintext)
+    assert (shared.id, shared.project_id, shared.run_id, shared.last_used_at, shared.expires_at) == (
+        copy.id,
+        copy.project_id,
+        copy.run_id,
+        copy.last_used_at,
+        copy.expires_at,
+    )
+    for permission in ALL_PERMISSIONS:
+        assert shared.has_permission(permission) == copy.has_permission(permission)
+    assert cached_key(issued.plaintext[:-1] + "x") is None and cached_key("rs_short_x") is None
+    api_key_revoke(api_key_id=issued.api_key.id)  # forgets the entry in this process (post_save)
+    assert cached_key(issued.plaintext) is None

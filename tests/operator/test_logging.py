@@ -5,6 +5,8 @@ import logging
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordination.logging import (
     MAX_LOGGED_CHARS,
@@ -35,9 +37,11 @@ def test_the_callers_request_id_is_kept(anon):
     assert response["X-Request-ID"] == "trace-abc.123"
 
 
-def test_an_unsafe_request_id_is_replaced(anon):
-    response = anon.get("/v1/healthz", HTTP_X_REQUEST_ID="bad id\twith spaces")
-    assert response["X-Request-ID"] != "bad id\twith spaces" and len(response["X-Request-ID"]) == 32
+@pytest.mark.parametrize("unsafe", ["bad id\twith spaces", "trace-abc\n"])  # the newline: once a 500
+def test_an_unsafe_request_id_is_replaced(anon, unsafe):
+    response = anon.get("/v1/healthz", HTTP_X_REQUEST_ID=unsafe)
+    assert response.status_code == 200
+    assert response["X-Request-ID"] != unsafe and len(response["X-Request-ID"]) == 32
 
 
 def test_every_record_carries_the_current_request_id_and_extras():
@@ -154,3 +158,25 @@ def test_a_very_long_value_is_cut_with_a_marker_before_it_is_redacted():
 )
 def test_credential_parameters_are_masked_wherever_they_start(text, logged):
     assert redact(text) == logged
+
+
+def _redact_in_full(text: str) -> str:
+    """``redact`` without its shortcut: both passes, whatever the text holds."""
+    from coordination import logging as runstate_logging
+
+    text = runstate_logging._API_KEY.sub(rf"rs_\1_{runstate_logging.REDACTED}", text)
+    kept, position = [], 0
+    for name in runstate_logging._PARAMETER_NAME.finditer(text):
+        if name.start() < position or runstate_logging._CREDENTIAL_NAME.search(name[1]) is None:
+            continue
+        kept += (text[position : name.end()], runstate_logging.REDACTED)
+        position = runstate_logging._PARAMETER_VALUE.match(text, name.end()).end()
+    return "".join([*kept, text[position:]]) if kept else text
+
+
+PIECES = ["rs_", "0123456789ab", "_", "Sx3-kP", "?", "&", ";", "=", "key", "token", "/v1/runs", " ", "é"]
+
+
+@given(st.lists(st.sampled_from(PIECES) | st.text(max_size=8), max_size=12).map("".join))
+def test_the_shortcut_for_text_without_rs_or_equals_never_changes_what_redact_masks(text):
+    assert redact(text) == _redact_in_full(text)

@@ -16,8 +16,10 @@ away cancels it, as Django's handler cancels an async view); and the event strea
 then the frames of the process's shared feed written to the ASGI ``send`` piece by piece,
 the place given back however the stream ends). For each request:
 
-1. the route is Django's own (``resolve``), and the key is the process cache's
-   (``api_key_authenticate(cached_only=True)``) with the permission the view needs;
+1. the route is Django's own (``routes.HotRoutes``: ``resolve()``'s answer from a table of the
+   hot views' URL patterns, built once), and the key is the process cache's
+   (``services.keys.cached_key``: one immutable ``CachedKey`` per cached key, not a copy per
+   request) with the permission the view needs;
 2. the body is read within ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (``edge.bounded``), parsed as DRF
    parses JSON and validated by the serializer's own fields (``bodies.plain_body``);
 3. the request counts against its key's rate limit (``throttling.rate_wait_async``: Redis
@@ -89,7 +91,7 @@ from django.core.handlers.asgi import ASGIRequest, get_script_prefix
 from django.core.handlers.base import BaseHandler
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
 from django.http import QueryDict
-from django.urls import Resolver404, get_resolver, set_script_prefix, set_urlconf
+from django.urls import get_resolver, set_script_prefix, set_urlconf
 from django.utils import timezone
 from django.utils.log import log_response
 from rest_framework import exceptions as drf
@@ -103,8 +105,9 @@ from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
 from coordination.api.hot import db, endpoints, stream, waits
 from coordination.api.hot.endpoints import Call, Endpoint
+from coordination.api.hot.routes import HotRoutes
 from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
-from coordination.services.keys import api_key_authenticate
+from coordination.services.keys import cached_key
 from coordination.tracing import request_trace, tracing_on
 
 # What the hot path answered (by endpoint; ``throttled``; ``refused``: a service's error) and
@@ -166,6 +169,7 @@ class HotRouter:
         self.fallback = fallback
         self._handler = _HotHandler(load_middleware, self._serve)
         self._allow = {view: _allowed(view) for view in ENDPOINTS}
+        self._routes: tuple = (None, None)
 
     async def __call__(self, scope, receive, send):  # noqa: D102 - see the class
         found = self._endpoint(scope) if scope["type"] == "http" and scope["method"] in _METHODS else None
@@ -248,14 +252,15 @@ class HotRouter:
                     abandoning.add_done_callback(_abandoning.discard)
                     await asyncio.shield(abandoning)
 
-    @staticmethod
-    def _endpoint(scope) -> tuple[Endpoint, object] | None:
+    def _endpoint(self, scope) -> tuple[Endpoint, object] | None:
         path = scope["path"]
         if not path.endswith(_SUFFIXES) or scope.get("root_path"):
             return None
-        try:
-            match = get_resolver().resolve(path)
-        except Resolver404:
+        resolver = get_resolver()
+        if self._routes[0] is not resolver:  # built once per URLconf (a test may switch it)
+            self._routes = (resolver, HotRoutes(ENDPOINTS, resolver))
+        match = self._routes[1].match(path)  # ``resolve(path)`` if it is a hot view's, else None
+        if match is None:
             return None
         endpoint = ENDPOINTS.get(getattr(match.func, "cls", None))
         return None if endpoint is None or endpoint.method != scope["method"] else (endpoint, match)
@@ -267,7 +272,7 @@ class HotRouter:
             plaintext = bearer_key(edge.header(scope, b"authorization"))
         except drf.AuthenticationFailed:
             return None
-        api_key = api_key_authenticate(plaintext, cached_only=True) if plaintext is not None else None
+        api_key = cached_key(plaintext) if plaintext is not None else None
         if (
             api_key is None
             or api_key.run_id is not None  # a bound key: what it may see needs a read

@@ -39,12 +39,13 @@ from coordination.api.presenters import (
     present_task,
 )
 from coordination.api.views import work
-from coordination.models import ApiKey, Mailbox, Task
+from coordination.models import Mailbox, Task
 from coordination.selectors import RunRef, Visibility
 from coordination.services import dispatch, sql
 from coordination.services import tasks as task_services
 from coordination.services.claims import batches, operations
 from coordination.services.claims.claim import Claim
+from coordination.services.keys import CachedKey
 from coordination.services.mailboxes import mailbox_cached
 from coordination.states import MailboxMode, TaskState
 from coordination.tracing import NO_TRACE, TraceContext
@@ -63,7 +64,7 @@ class Call:
     open its view's span: then that span (``span``) and the context the work stores.
     """
 
-    api_key: ApiKey
+    api_key: CachedKey  # the process cache's, shared: read, never changed
     kwargs: dict
     data: dict
     trace: TraceContext = NO_TRACE

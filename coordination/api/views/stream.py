@@ -1,6 +1,5 @@
 """``/v1/events/stream``: the event log as Server-Sent Events."""
 
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
 
@@ -8,6 +7,7 @@ from coordination import selectors
 from coordination.api.longpoll import in_request, park
 from coordination.api.negotiation import FirstRenderer
 from coordination.api.presenters import present_event
+from coordination.api.serializers import EVENT_CURSOR, EventCursorField
 from coordination.api.sse import BATCH, event_stream_response, feed_frames, releasing
 from coordination.api.views.base import ERRORS, AsyncApiView
 from coordination.states import Permission
@@ -50,7 +50,7 @@ SSE_EVENT_SCHEMA = {
 class EventStreamQuery(serializers.Serializer):
     """Query of ``GET /v1/events/stream``."""
 
-    after = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    after = EventCursorField(required=False, allow_blank=True, max_length=100)
     types = serializers.CharField(required=False, allow_blank=True, max_length=2000)
     runId = serializers.CharField(required=False, max_length=100)
 
@@ -70,7 +70,8 @@ class EventStreamView(AsyncApiView):
             EventStreamQuery,
             OpenApiParameter(
                 "Last-Event-ID",
-                OpenApiTypes.STR,
+                # An empty header is no header: the stream starts after ``after``.
+                {"type": "string", "pattern": f"^(?:{EVENT_CURSOR})?$"},
                 OpenApiParameter.HEADER,
                 description="Resume after this event id (wins over `after`).",
             ),
