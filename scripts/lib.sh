@@ -6,6 +6,9 @@
 #                         (the lock file: every package pinned, with its hashes) and the checkout
 #                         when the lock changed since the last install; puts .venv/bin first on PATH
 #   pg_ensure_running     make sure PostgreSQL answers on 127.0.0.1:5432
+#   pg_ensure_connections N
+#                         make sure the local PostgreSQL allows N sessions (raise max_connections
+#                         and restart it when it allows fewer)
 #   redis_ensure_running  make sure Redis answers on 127.0.0.1:6379
 #
 # Every helper runs from the repository root, so pyenv's .python-version (3.12) applies.
@@ -114,6 +117,37 @@ pg_ensure_running() {
     _wait_for 30 pg_isready -q -h 127.0.0.1 -p 5432 ||
         die "PostgreSQL did not answer on 127.0.0.1:5432 within 30 s"
     say "PostgreSQL is answering on 127.0.0.1:5432"
+}
+
+_pg_setting() {
+    psql -h 127.0.0.1 -p 5432 -U postgres -d postgres -XAtqc "SHOW $1" </dev/null 2>/dev/null
+}
+
+# The test runs go at the same time against one server, each with its live API servers,
+# workers and pools: together they have peaked at 83 sessions, and PostgreSQL's default of
+# 100 then refused a connection ("sorry, too many clients already") to whichever run asked
+# next. The cluster this script starts is the developer's or CI's own, so its limit is
+# raised (ALTER SYSTEM, which needs a restart) rather than each run squeezed under it.
+pg_ensure_connections() {
+    local wanted="$1" have version
+    have="$(_pg_setting max_connections)" || die "could not read max_connections from 127.0.0.1:5432"
+    if [ "$have" -ge "$wanted" ]; then
+        say "PostgreSQL allows $have sessions (the test runs want $wanted)"
+        return 0
+    fi
+    command -v pg_ctlcluster >/dev/null 2>&1 ||
+        die "PostgreSQL on 127.0.0.1:5432 allows $have sessions, the test runs want $wanted, and pg_ctlcluster is missing: raise max_connections or set DATABASE_URL"
+    version="$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n1)"
+    say "PostgreSQL allows $have sessions, the test runs want $wanted: ALTER SYSTEM SET max_connections = $wanted, and a restart"
+    psql -h 127.0.0.1 -p 5432 -U postgres -d postgres -XAtqc "ALTER SYSTEM SET max_connections = $wanted" </dev/null ||
+        die "ALTER SYSTEM SET max_connections failed"
+    pg_ctlcluster --skip-systemctl-redirect "$version" main restart ||
+        die "pg_ctlcluster $version main restart failed"
+    _wait_for 30 pg_isready -q -h 127.0.0.1 -p 5432 ||
+        die "PostgreSQL did not answer on 127.0.0.1:5432 within 30 s of its restart"
+    have="$(_pg_setting max_connections)"
+    [ "$have" -ge "$wanted" ] || die "PostgreSQL still allows $have sessions after its restart (wanted $wanted)"
+    say "PostgreSQL allows $have sessions"
 }
 
 _redis_ping() { [ "$(redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null)" = "PONG" ]; }

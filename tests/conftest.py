@@ -103,9 +103,29 @@ def _process_caches_off():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _stop_listener_before_dropping_the_database(django_db_setup):
-    """Close the NOTIFY listener's connection so the test database can be dropped."""
+def _stop_listener_before_dropping_the_database(django_db_setup, django_db_blocker):
+    """Close every other session on the test database so that it can be dropped.
+
+    The NOTIFY listener and any event feed left reading are stopped. Threads of the executors
+    that ran ORM calls for the event loops (asgiref's, the hot path's careful path, the shared
+    reads) keep a Django connection each until they exit, which is at interpreter exit, after
+    pytest-django's ``DROP DATABASE``: the drop failed ("being accessed by other users") and
+    left the database behind. Their sessions are ended here, on PostgreSQL.
+    """
     yield
+    from coordination.api import sse
     from coordination.notify import hub
 
     hub.stop()
+    # An in-process event stream whose client let go without a disconnect (httpx's ASGI
+    # transport sends none) leaves its loop's shared feed reading: it would retry, and log
+    # every failure, until interpreter exit, long after the database is gone.
+    for loop, feed in list(sse._feeds.items()):
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(feed.task.cancel)
+    if connection.vendor == "postgresql":
+        with django_db_blocker.unblock(), connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )

@@ -12,19 +12,22 @@ leaves the shared feed.
 import asyncio
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
+from coordination import selectors
 from coordination.api import hot, longpoll, sse, waits
 from coordination.api.hot import db as hot_db
 from coordination.models import Event, Project, Run
 from coordination.services.events import events_record_many
 from coordination.services.runs import run_create
+from coordination.services.timers import timer_fire
 from coordination.states import Permission
 from tests.api.test_hot_path import _cached_key, api_process, normalized  # noqa: F401 - the fixture
 from tests.api.test_hot_waits import UNKNOWN, WaitState, _key_id, _until, cursors_hidden, fresh_wait_state
@@ -94,8 +97,42 @@ def _complete(sent: list[dict]) -> bool:
     return any(m["type"] == "http.response.body" and not m.get("more_body", False) for m in sent)
 
 
+def settled_wait_state() -> WaitState:
+    """``fresh_wait_state()`` with its due timer fired here, before any stream opens.
+
+    Its firing is otherwise a worker's, at a moment neither path controls: a ``timer.fired``
+    committed while one stream is open and not the other would differ between the two. Once
+    fired here, a worker that comes later finds it fired and writes nothing (``timer_fire``).
+    """
+    state = fresh_wait_state()
+    timer_fire(timer_id=uuid.UUID(state.fired_timer))
+    return state
+
+
+def _horizon_settled() -> None:
+    """Wait until every event committed so far is below the event horizon (``selectors.event_head``).
+
+    A stream of "new events only" starts at the head, which stays below an event of a
+    transaction that was running when the event's own committed (its txid is above the
+    horizon), so such an event still reaches the stream: by contract, a stream may also carry
+    events committed just before it started. Something in the test's database (a timer's
+    worker, a cascade) may hold such a transaction open for a moment, more so on a loaded
+    machine; two streams compared byte for byte must start from the same settled head.
+    """
+    deadline = time.monotonic() + 60
+    with connection.cursor() as cursor:
+        while True:
+            cursor.execute(f"SELECT max(txid) < {selectors.EVENT_HORIZON_SQL} FROM {Event._meta.db_table}")
+            [(settled,)] = cursor.fetchall()
+            if settled is not False:  # True, or no event at all (NULL)
+                return
+            assert time.monotonic() < deadline, "the event horizon did not pass the events committed"
+            time.sleep(0.02)
+
+
 async def _stream_once(state: WaitState, stream: Stream, mark: str) -> httpx.Response:
     """Open the stream, write its events once it started, read until they arrived, then go away."""
+    await longpoll.db(_horizon_settled)
     key = None if stream.anonymous else stream.key or state.base.key
     headers = STREAM_ACCEPT | stream.headers
     app, gone, sent = asgi_request("/v1/events/stream", stream.query, key, headers=headers, repeated=stream.repeated)
@@ -126,7 +163,7 @@ def streamed(settings, hot_on: bool, build) -> tuple[list[tuple], int]:
     """Stream ``build(state)``'s requests with the hot path on or off; return the answers and how many it served."""
     settings.RUNSTATE_HOT_PATH = hot_on
     caches_on(settings)
-    state = fresh_wait_state()
+    state = settled_wait_state()
     requests = build(state)
     before = hot.SERVED["EventStream"]
 
@@ -239,7 +276,7 @@ def _held_open_then_another(settings, hot_on: bool) -> tuple:
     """With one stream held open by a key, open a second of the same key (``RUNSTATE_MAX_WAITS_PER_KEY`` = 1)."""
     settings.RUNSTATE_HOT_PATH = hot_on
     caches_on(settings)
-    state = fresh_wait_state()
+    state = settled_wait_state()
     key_id = _key_id(state.base.key)
 
     async def run():
@@ -269,7 +306,7 @@ def test_the_waits_cap_is_the_views(api_process):  # noqa: F811
 
 @pytest.mark.parametrize("when", ["while streaming", "before the first frame is taken"])
 def test_a_hot_stream_whose_client_leaves_gives_its_place_back_and_leaves_the_feed(api_process, when):  # noqa: F811
-    state = fresh_wait_state()
+    state = settled_wait_state()
     api_key_id = _key_id(state.base.key)
     served = hot.SERVED["EventStream"]
 

@@ -70,13 +70,15 @@ describe('consume', { concurrency: true, timeout: 240_000 }, () => {
     assert.equal((await ticket.status()).state, 'RUNNING'); // the dead worker's lease still holds it
 
     let attempt = 0;
+    // Its own claim holds 30 s: on a loaded machine a claim of the mailbox's 1 s lease could
+    // run out before its completion arrived, and a third attempt would take the task over.
     const worker = rs.scope(run.id).worker(
       mailbox,
       (context) => {
         attempt = context.attempt;
         return { by: 'second' };
       },
-      { handleSignals: false },
+      { handleSignals: false, leaseTtlMs: 30_000 },
     );
     const running = worker.run();
     const task = await ticket.result({ timeoutMs: 20_000 }); // the 1 s lease runs out, the next claim takes it
