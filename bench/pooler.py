@@ -1,6 +1,6 @@
 """PgBouncer in transaction mode in front of the benchmark's PostgreSQL (``bench/throughput.py --pgbouncer``).
 
-The PgBouncer is the tests' (``tests/clusters.py``: Debian's ``pgbouncer``, the
+The PgBouncer is the tests' (``devservers/pgbouncer.py``: Debian's ``pgbouncer``, the
 ``pgbouncer.ini`` of docs/deploy.md, "Behind PgBouncer", in a temporary directory on a free
 port, run as the ``postgres`` OS user when the benchmark runs as root), put in front of the
 server of ``DATABASE_URL`` instead of a throwaway cluster. It must run on this machine
@@ -19,7 +19,7 @@ LISTEN_APP_NAME = "runstate-bench-listen"
 
 @dataclasses.dataclass(frozen=True)
 class MachinePostgres:
-    """The benchmark's PostgreSQL server, as ``tests.clusters.PgBouncer`` wants its server: a port and a database."""
+    """The benchmark's PostgreSQL server as ``devservers.pgbouncer.PgBouncer`` wants it: a port and a database."""
 
     port: int
     database: str
@@ -31,7 +31,7 @@ class BenchPgBouncer:
 
     def __init__(self, direct_url: str, pool_size: int = 10) -> None:
         from bench.throughput import db_params
-        from tests.clusters import PGBOUNCER, PgBouncer
+        from devservers.pgbouncer import PGBOUNCER, PgBouncer
 
         params = db_params(direct_url)
         if params.get("host", "127.0.0.1") not in ("127.0.0.1", "localhost"):

@@ -3,11 +3,8 @@
 - ``ThrowawayPostgres`` (``tests/reliability/throwaway.py``): a cluster made with ``initdb`` in a
   temporary directory, on a free port, trust authentication, as the ``postgres`` OS user when
   the tests run as root (PostgreSQL refuses root).
-- ``PgBouncer``: Debian's ``pgbouncer`` in front of such a cluster, on a free port of its own,
-  in transaction mode with a pool of ``pool_size`` server connections per database and user
-  (``docs/deploy.md``, "Behind PgBouncer", gives the same ``pgbouncer.ini``). It refuses root
-  too, so it runs as the same OS user as the cluster. ``point_at`` does what a failover
-  manager does after a promotion: it writes the new primary into the ini and RELOADs.
+- ``PgBouncer`` (``devservers/pgbouncer.py``, which the benchmarks share): Debian's
+  ``pgbouncer`` in front of such a cluster, on a free port of its own, as the same OS user.
 
 ``pgbouncer_in_front`` starts both and always stops and deletes both, whatever the test did.
 - ``StreamingPair``: a primary and its synchronous streaming standby, named together by one
@@ -24,11 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -39,13 +33,12 @@ import httpx
 import psycopg
 import pytest
 
+from devservers.pgbouncer import PGBOUNCER, PgBouncer
 from runstate import Runstate, RunstateError
 from tests.processes import ROOT, free_port, manage, stop_process_groups
 from tests.reliability.ledger import Ledger, check_in_process, watch_sdk
-from tests.reliability.throwaway import PG_OS_USER, ThrowawayPostgres, port_open
+from tests.reliability.throwaway import ThrowawayPostgres
 from tests.workers.live import wait_until
-
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
 
 def require_pgbouncer() -> None:
@@ -56,151 +49,6 @@ def require_pgbouncer() -> None:
     if os.environ.get("RUNSTATE_TEST_SKIP_PGBOUNCER") == "1":
         pytest.skip(message)
     pytest.fail(message)
-
-
-class PgBouncer:
-    """PgBouncer in front of ``server`` (a ``ThrowawayPostgres``), in a temporary directory on a free port."""
-
-    def __init__(
-        self, server: ThrowawayPostgres, *, pool_mode: str = "transaction", pool_size: int = 10, **settings: str
-    ) -> None:
-        """``settings`` add to or override the ini's ``[pgbouncer]`` section (``query_wait_timeout="5"``...)."""
-        self.server = server
-        self.pool_mode = pool_mode
-        self.pool_size = pool_size
-        self.settings = settings
-        self.port = free_port()
-        self.as_root = os.geteuid() == 0
-        self.dir = Path(tempfile.mkdtemp(prefix="runstate-pgbouncer-"))
-        self.ini_path = self.dir / "pgbouncer.ini"
-        self.log_path = self.dir / "pgbouncer.log"
-        self.process: subprocess.Popen | None = None
-
-    def ini(self) -> str:
-        """Return the ``pgbouncer.ini``: every database of the server, ``pool_mode``, ``pool_size`` per pool."""
-        extra = "".join(f"{name} = {value}\n" for name, value in self.settings.items())
-        return f"""\
-[databases]
-* = host=127.0.0.1 port={self.server.port}
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {self.port}
-unix_socket_dir =
-auth_type = trust
-auth_file = {self.dir / "userlist.txt"}
-admin_users = postgres
-stats_users = postgres
-pool_mode = {self.pool_mode}
-default_pool_size = {self.pool_size}
-min_pool_size = 0
-reserve_pool_size = 0
-max_client_conn = 1000
-max_db_connections = {self.pool_size}
-server_reset_query =
-ignore_startup_parameters = extra_float_digits
-server_login_retry = 1
-logfile = {self.log_path}
-pidfile = {self.dir / "pgbouncer.pid"}
-{extra}"""
-
-    def url(self, database: str | None = None, **query: str) -> str:
-        """Return a ``DATABASE_URL`` through the pooler (the server's test database by default)."""
-        tail = "&".join(f"{key}={value}" for key, value in query.items())
-        return f"postgres://postgres@127.0.0.1:{self.port}/{database or self.server.database}" + (
-            f"?{tail}" if tail else ""
-        )
-
-    def start(self) -> None:
-        """Write the configuration and start PgBouncer; wait until it accepts connections."""
-        self.ini_path.write_text(self.ini())
-        (self.dir / "userlist.txt").write_text('"postgres" ""\n')
-        prefix: list[str] = []
-        if self.as_root:  # "PgBouncer should not run as root"
-            account = pwd.getpwnam(PG_OS_USER)
-            for path in (self.dir, *self.dir.iterdir()):
-                os.chown(path, account.pw_uid, account.pw_gid)
-            prefix = ["runuser", "-u", PG_OS_USER, "--"]
-        self.process = subprocess.Popen(
-            [*prefix, PGBOUNCER, str(self.ini_path)],
-            cwd=self.dir,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while not port_open(self.port):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"pgbouncer exited ({self.process.returncode}):\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out waiting for pgbouncer:\n{self.log()}")
-            time.sleep(0.05)
-
-    def admin(self, command: str) -> list[dict]:
-        """Run ``command`` on the admin console (``SHOW POOLS``, ``RELOAD``...); return its rows."""
-        # The console speaks only the simple query protocol: a client-side cursor sends it.
-        with psycopg.connect(self.url("pgbouncer"), autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
-            cursor = conn.execute(command)
-            if cursor.description is None:
-                return []
-            names = [column.name for column in cursor.description]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-
-    def show(self, what: str) -> list[dict]:
-        """Return the rows of the admin console's ``SHOW <what>`` (POOLS, SERVERS, CLIENTS...)."""
-        return self.admin(f"SHOW {what}")
-
-    def revoke_key(self, key: str) -> int:
-        """Revoke the API key ``key`` in a transaction run through PgBouncer; return the rows changed.
-
-        The revoke's ``NOTIFY`` (migration 0009's trigger) is sent from a pooled server session:
-        only an API process whose LISTEN connection is on that server hears it.
-        """
-        with psycopg.connect(self.url(), autocommit=True) as pooled:
-            return pooled.execute(
-                "UPDATE coordination_apikey SET revoked_at = now() WHERE revoked_at IS NULL AND prefix = %s",
-                (key.split("_")[1],),
-            ).rowcount
-
-    def point_at(self, server: ThrowawayPostgres) -> None:
-        """Send the pools to ``server`` from now on: rewrite the ini's ``[databases]`` host and RELOAD.
-
-        What a failover manager does after promoting a standby. PgBouncer closes each server
-        connection to the old host as it is released and opens new ones on the new host;
-        client connections stay open.
-        """
-        self.server = server
-        self.ini_path.write_text(self.ini())  # the file keeps its owner (PgBouncer's OS user)
-        self.admin("RELOAD")
-
-    def server_connections(self, database: str | None = None) -> int:
-        """Count the server connections PgBouncer holds to ``database`` now (any state)."""
-        database = database or self.server.database
-        rows = [row for row in self.show("POOLS") if row["database"] == database]
-        return sum(row[key] for row in rows for key in row if key.startswith("sv_") and isinstance(row[key], int))
-
-    def log(self) -> str:
-        """Return PgBouncer's log."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except (FileNotFoundError, PermissionError):
-            return ""
-
-    def stop(self) -> None:
-        """Stop PgBouncer (SIGTERM, then SIGKILL) and wait for it."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, 15)
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
-
-    def destroy(self) -> None:
-        """Stop PgBouncer and delete its directory."""
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -2,21 +2,16 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from devservers.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """Return a TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["ROOT", "free_port", "manage", "stop_process_groups"]
 
 
 def stop_process_groups(processes: Iterable[subprocess.Popen], grace_s: float = 20) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import free_port
+from devservers import PG_OS_USER
+from devservers.net import free_port, port_open
 
 
 def _pg_bin() -> Path:
@@ -37,16 +37,6 @@ def _pg_bin() -> Path:
 
 PG_BIN = _pg_bin()
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-PG_OS_USER = "postgres"
-
-
-def port_open(port: int) -> bool:
-    """Tell whether something accepts connections on 127.0.0.1:``port``."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
