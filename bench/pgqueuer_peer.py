@@ -17,8 +17,8 @@ Verification: the entrypoint ran N times on N distinct jobs, the queue table is 
 the log holds N ``successful`` entries for N distinct jobs.
 
 The measurement helpers (quiet machine, CPU) stay in bench/throughput.py, which drives this
-module step by step; here is only what talks to pgqueuer. Its requirements are in
-bench/requirements.txt, not in the product's requirements.txt.
+module step by step; here is only what talks to pgqueuer. pgqueuer is in the development
+lock (requirements-dev.txt), not in the runtime lock (requirements.txt).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 PGQUEUER_DATABASE = "runstate_bench_pgqueuer"
 ENTRYPOINT = "runstate_bench_noop"
-INSTALL_HINT = ".venv/bin/pip install -r bench/requirements.txt"
+INSTALL_HINT = ".venv/bin/pip install --require-hashes -r requirements-dev.txt"
 ENQUEUE_CHUNK = 1000
 
 

@@ -35,7 +35,7 @@ the HTTP N tasks submitted with ``submit_many``, drained by the SDK's real ``con
 
 Then, once, the same-run peer (``--pgqueuer``, on by default; bench/pgqueuer_peer.py):
 pgqueuer draining N no-op jobs enqueued beforehand with 5 dequeuers x batch 10, in a
-database of its own. It needs bench/requirements.txt; without it the benchmark stops.
+database of its own. It needs pgqueuer (requirements-dev.txt); without it the benchmark stops.
 
 Before any timing it counts the SQL statements of one call of each kind in each mode
 (service layer, ``CaptureQueriesContext``) and of one request of each kind (in-process
@@ -1898,7 +1898,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pgqueuer",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run the pgqueuer peer (needs bench/requirements.txt)",
+        help="run the pgqueuer peer (from requirements-dev.txt)",
     )
     parser.add_argument("--pgqueuer-jobs", type=int, help="jobs the pgqueuer peer drains (default: --tasks)")
     parser.add_argument("--pgqueuer-dequeuers", type=int, default=5, help="pgqueuer QueueManagers (5)")

@@ -2,9 +2,11 @@
 # Helpers shared by scripts/start and scripts/test (sourced, never run on its own).
 #
 #   find_python           print the path of a Python >= 3.12, or stop with exit 1
-#   ensure_venv           create .venv (or recreate a too-old one) and install requirements.txt
-#                         (the lock file: every package pinned, with its hashes) and the checkout
-#                         when the lock changed since the last install; puts .venv/bin first on PATH
+#   ensure_venv           create .venv (or recreate a too-old one) and install requirements-dev.txt
+#                         (the development lock: the runtime lock requirements.txt and the tests',
+#                         linters' and benchmarks' tools, every package pinned with its hashes)
+#                         and the checkout when the lock changed since the last install; puts
+#                         .venv/bin first on PATH
 #   pg_ensure_running     make sure PostgreSQL answers on 127.0.0.1:5432
 #   pg_ensure_connections N
 #                         make sure the local PostgreSQL allows N sessions (raise max_connections
@@ -70,13 +72,15 @@ ensure_venv() {
         "$python" -m venv --clear "$RUNSTATE_VENV" || die "could not create $RUNSTATE_VENV"
     fi
     stamp="$RUNSTATE_VENV/.requirements.sha256"
-    wanted="$(_sha256 "$RUNSTATE_ROOT/requirements.txt")"
+    wanted="$(_sha256 "$RUNSTATE_ROOT/requirements-dev.txt")"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ]; then
-        say "Installing requirements.txt into .venv"
-        # The lock file (pip-compile --generate-hashes, from requirements.in): pip refuses any
-        # download whose hash is not in it, and any package it does not pin.
-        "$RUNSTATE_VENV/bin/python" -m pip install --quiet --require-hashes -r "$RUNSTATE_ROOT/requirements.txt" \
-            </dev/null || die "pip install --require-hashes -r requirements.txt failed"
+        say "Installing requirements-dev.txt into .venv"
+        # The development lock (pip-compile --generate-hashes, from requirements-dev.in, which
+        # holds the runtime requirements.in and is constrained by its lock): pip refuses any
+        # download whose hash is not in it, and any package it does not pin. A deployment
+        # installs the runtime lock, requirements.txt, alone (docs/deploy.md, "Installing").
+        "$RUNSTATE_VENV/bin/python" -m pip install --quiet --require-hashes -r "$RUNSTATE_ROOT/requirements-dev.txt" \
+            </dev/null || die "pip install --require-hashes -r requirements-dev.txt failed"
         # The checkout itself, editable (the runstate command): an editable cannot be hashed,
         # and its dependencies are the lock's, so none is resolved here.
         (cd "$RUNSTATE_ROOT" && "$RUNSTATE_VENV/bin/python" -m pip install --quiet --no-deps -e . </dev/null) ||

@@ -41,7 +41,9 @@ def chromium_executable() -> str:
     try:
         import playwright.async_api  # noqa: F401
     except ImportError:
-        pytest.fail("Playwright for Python is missing: pip install -r requirements.txt", pytrace=False)
+        pytest.fail(
+            "Playwright for Python is missing: pip install --require-hashes -r requirements-dev.txt", pytrace=False
+        )
     return path
 
 
