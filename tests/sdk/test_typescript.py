@@ -4,14 +4,13 @@ The package is installed with ``npm ci`` from its committed lockfile (skipped wh
 ``node_modules`` matches it), built and type-checked with ``tsc`` (``strict`` with
 ``noUncheckedIndexedAccess``), then its ``node --test`` suite runs against the same uvicorn
 server the Python SDK tests use, with ``RUNSTATE_URL`` / ``RUNSTATE_API_KEY`` in its
-environment, a key bound to a run for the subtree test, and the reference documents' folder
-(``../shared/seeds`` beside the checkout) from which it extracts the TypeScript blocks.
+environment and a key bound to a run for the subtree test; the reference document's
+TypeScript blocks run from their verbatim copy in the package (``test/seed-blocks.md``).
 Node >= 20 is required: without it these tests fail with a message saying so (never skip).
 
 ``single_backend`` (``scripts/test`` runs them in its PostgreSQL run only): the type check
 touches no database, and the node suite drives the SDK over HTTP, whose server paths the
-rest of the suite runs on both databases (tests/api, tests/concurrency); the seed's timer
-alone waits its 300 s as written, which a second run would only repeat.
+rest of the suite runs on both databases (tests/api, tests/concurrency).
 """
 
 import hashlib
@@ -20,7 +19,6 @@ import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -31,7 +29,6 @@ from tests.sdk.conftest import ROOT
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.single_backend]
 
 PACKAGE = ROOT / "sdk" / "typescript"
-SEED_DIR = Path(os.environ.get("RUNSTATE_SEED_DIR") or ROOT.parent / "shared" / "seeds")
 NODE_MAJOR = 20
 LOCK_STAMP = PACKAGE / "node_modules" / ".runstate-lock-sha256"
 
@@ -96,14 +93,12 @@ def test_the_package_type_checks_strictly_and_has_no_runtime_dependencies(built_
 
 @pytest.mark.timeout(900)
 def test_the_node_test_suite_passes_against_the_live_server(sdk, make_key, built_package):
-    assert (SEED_DIR / "000_b3519fa2e86ad14e.txt").exists(), f"The reference documents are missing from {SEED_DIR}."
     with Runstate() as rs:
         bound_run = rs.scopes.create(name="bound key's run")
     env = dict(
         os.environ,
         RUNSTATE_URL=sdk.url,
         RUNSTATE_API_KEY=sdk.api_key,
-        RUNSTATE_SEED_DIR=str(SEED_DIR),
         RUNSTATE_TEST_BOUND_RUN_ID=bound_run.id,
         RUNSTATE_TEST_BOUND_API_KEY=make_key(ALL_PERMISSIONS, run_id=bound_run.id),
     )
