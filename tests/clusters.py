@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -228,12 +229,21 @@ class ApiOnPair:
         return self.log("api")
 
     def logs(self) -> str:
-        """Return the end of every child's log, each headed by whether the child still runs."""
+        """Return the end of every child's log, each headed by whether the child still runs.
+
+        An exited child's log is headed too by its lines that say why (Celery's ``CRITICAL``
+        and the exception's last line): its end may be a traceback written a character a line.
+        """
         exited = self.exited()
-        return "\n".join(
-            f"--- {name} ({f'exited {exited[name]}' if name in exited else 'running'})\n{self.log(name)}"
-            for name in self.children
-        )
+        parts = []
+        for name in self.children:
+            parts.append(f"--- {name} ({f'exited {exited[name]}' if name in exited else 'running'})")
+            if name in exited:
+                whole = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+                why = [line for line in whole if "CRITICAL" in line or re.search(r"\b\w+(Error|Exception): ", line)]
+                parts += [f"why: {line}" for line in why[-10:]]
+            parts.append(self.log(name))
+        return "\n".join(parts)
 
     def exited(self) -> dict[str, int]:
         """Return the exit status of each child that has exited, by name."""

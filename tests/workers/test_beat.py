@@ -31,13 +31,14 @@ READS_THE_SCHEDULE = 'FROM "django_celery_beat_periodictask"'
 class ServerEndsTheSession:
     """An execute wrapper: while armed, the server ends this session just before each statement ``matches`` picks."""
 
-    def __init__(self, matches=lambda sql: True) -> None:
+    def __init__(self, matches=lambda sql: True, *, times: int | None = None) -> None:
         self.matches = matches
         self.armed = False
         self.ended = 0
+        self.times = times  # end the session this many times at most (None: while armed)
 
     def __call__(self, execute, sql, params, many, context):
-        if self.armed and self.matches(sql):
+        if self.armed and self.matches(sql) and (self.times is None or self.ended < self.times):
             pid = context["connection"].connection.info.backend_pid
             with psycopg.connect(live.test_database_url(), autocommit=True) as other:
                 assert other.execute("SELECT pg_terminate_backend(%s, 10000)", [pid]).fetchone() == (True,)
@@ -161,3 +162,28 @@ def test_beat_ticks_through_an_outage_and_sends_the_sweeps_once_the_database_is_
         assert fault.ended >= 2, fault.ended  # the schedule's read at least, and what came after it
         sent(queue)
         assert tick_until_every_second_sweep_is_sent(scheduler, queue) >= EVERY_SECOND
+
+
+def test_a_database_error_as_beat_starts_is_retried_and_the_sweeps_go_on(beat_app, scheduler_of):
+    """Beat reads its whole schedule as it starts (the scheduler's construction): the server
+    ends the session there twice, and beat reads it again until it answers, then sends."""
+    app, queue = beat_app
+    fault = ServerEndsTheSession(times=2)
+    with connection.execute_wrapper(fault):
+        fault.armed = True
+        scheduler = scheduler_of(beat.DatabaseScheduler, app)
+        assert fault.ended == 2
+        fault.armed = False
+        assert tick_until_every_second_sweep_is_sent(scheduler, queue) >= EVERY_SECOND
+
+
+def test_django_celery_beats_own_scheduler_dies_as_it_starts(beat_app, scheduler_of):
+    """Upstream, the same error leaves the scheduler's construction, and beat exits (status 1)."""
+    app, _ = beat_app
+    fault = ServerEndsTheSession(times=1)
+    with connection.execute_wrapper(fault):
+        fault.armed = True
+        with pytest.raises(OperationalError):
+            scheduler_of(schedulers.DatabaseScheduler, app)
+    assert fault.ended == 1
+    connection.close()  # the session the server ended: the test's teardown opens a new one
