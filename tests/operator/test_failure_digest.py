@@ -42,21 +42,25 @@ def broken():
 """
 
 
-def test_the_digest_names_each_failure_with_its_assertion_and_log_tail(tmp_path):
-    (tmp_path / "test_suite.py").write_text(SUITE)
+def run_suite(tmp_path: Path, suite: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``suite`` in a pytest of its own in ``tmp_path``, the plugin loaded, ``env`` added to the environment."""
+    (tmp_path / "test_suite.py").write_text(suite)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    digest = tmp_path / "digest.txt"
-    env = {**os.environ, ENV: str(digest), "PYTHONPATH": str(ROOT)}
-    env.pop("DJANGO_SETTINGS_MODULE", None)
-    result = subprocess.run(
+    inherited = {key: value for key, value in os.environ.items() if key not in (ENV, "DJANGO_SETTINGS_MODULE")}
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:django", "-p", "no:cacheprovider", "-p", "tests.failure_digest"]
         + ["-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), str(tmp_path)],
         cwd=tmp_path,
-        env=env,
+        env=inherited | {"PYTHONPATH": str(ROOT)} | env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_the_digest_names_each_failure_with_its_assertion_and_log_tail(tmp_path):
+    digest = tmp_path / "digest.txt"
+    result = run_suite(tmp_path, SUITE, {ENV: str(digest)})
     assert result.returncode == 1, result.stdout + result.stderr
     text = digest.read_text()
 
@@ -77,18 +81,7 @@ def test_the_digest_names_each_failure_with_its_assertion_and_log_tail(tmp_path)
 
 
 def test_without_its_variable_the_plugin_writes_nothing(tmp_path):
-    (tmp_path / "test_suite.py").write_text("def test_fails():\n    assert False\n")
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = {key: value for key, value in os.environ.items() if key != ENV} | {"PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:django", "-p", "no:cacheprovider", "-p", "tests.failure_digest"]
-        + ["-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_suite(tmp_path, "def test_fails():\n    assert False\n", {})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "INTERNALERROR" not in result.stdout + result.stderr
     written = {path.name for path in tmp_path.iterdir()} - {"__pycache__"}
