@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 from django.db import transaction
 
+from coordination.states import TaskState
+
 
 class Waker(Protocol):
     """What the workers app provides to send wake-ups (``workers.dispatch`` is one)."""
@@ -125,6 +127,19 @@ def work_requeued(task) -> None:
     """Wake a Celery worker after commit for a task that went back to ``QUEUED`` in a bound mailbox."""
     if _waker is not None:
         _waker.dispatch_requeued_on_commit(task)
+
+
+def work_resubmitted(task) -> None:
+    """Wake a worker again, after commit, for a task a keyed resubmit found still ``QUEUED``.
+
+    A client submits again with the same key when it did not get the first answer, and the
+    first submit's wake-up is as uncertain as that answer: its commit can land (on a
+    synchronous standby, say) while the primary dies before answering, and then the API never
+    sends the message. Without this the task would wait for the re-wake sweep. A duplicate
+    message is harmless: the claim decides.
+    """
+    if task.state == TaskState.QUEUED:
+        work_requeued(task)
 
 
 def timer_due(timer_id: uuid.UUID, fire_at: datetime) -> None:

@@ -21,7 +21,7 @@ from coordination import exceptions
 from coordination.group_rules import GroupCounts, MemberFacts, decide, member_counts
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
-from coordination.services import sql
+from coordination.services import dispatch, sql
 from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import EVENT_COLUMNS, TXID_SQL, event_row, events_record_many
 from coordination.services.locking import (
@@ -380,6 +380,7 @@ def group_submit(
         if existing is not None:
             if existing.input != input:
                 raise exceptions.KeyConflict(key=key, taskId=str(existing.id))
+            dispatch.work_resubmitted(existing)
             return existing, False, group
     now = timezone.now()
     if _is_due(locked, now):

@@ -514,9 +514,12 @@ def task_insert(
 
 
 def _task_with_key(mailbox: Mailbox, run_id: uuid.UUID, key: str, input: object) -> Task | None:
+    """Return the task submitted before with ``key`` (None if none), sending its wake-up again while it is queued."""
     existing = Task.objects.filter(mailbox=mailbox, run_id=run_id, key=key).first()
-    if existing is not None and existing.input != input:
-        raise exceptions.KeyConflict(key=key, taskId=str(existing.id))
+    if existing is not None:
+        if existing.input != input:
+            raise exceptions.KeyConflict(key=key, taskId=str(existing.id))
+        dispatch.work_resubmitted(existing)
     return existing
 
 

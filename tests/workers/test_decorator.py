@@ -131,11 +131,34 @@ def test_submit_creates_the_task_and_dispatches_after_commit(run, django_capture
     assert (task.state, task.priority, task.key, task.max_attempts) == ("QUEUED", 3, "k1", 4)
     (sent,) = dispatches(callbacks)
     assert sent.args[:2] == (summarize, task.id)
-    # An idempotent resubmit returns the task and sends nothing.
+    # An idempotent resubmit returns the task and, while it is still queued, sends its message
+    # again: the client resubmits because it missed the first answer, and the first message can
+    # have been lost with it (the commit landed, then the primary died before the API sent it).
     with django_capture_on_commit_callbacks() as callbacks:
         again = summarize.submit(run, {"title": "Runstate"}, key="k1")
     assert again.id == task.id
+    (resent,) = dispatches(callbacks)
+    assert resent.args[:2] == (summarize, task.id)
+    # Once claimed, a resubmit sends nothing: the task is no longer waiting for a worker.
+    task_claim_by_id(project_id=run.project_id, task_id=task.id)
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert summarize.submit(run, {"title": "Runstate"}, key="k1").id == task.id
     assert not dispatches(callbacks)
+
+
+def test_a_resubmit_whose_first_message_was_lost_is_sent_again_through_the_api(run, django_capture_on_commit_callbacks):
+    summarize.ids()
+    api = make_client(run.project)
+    body = {"runId": str(run.id), "input": {"title": "x"}, "key": "lost-answer"}
+    # The first submit commits, but its message is never sent (the callback is not run).
+    with django_capture_on_commit_callbacks(execute=False):
+        first = api.post("/v1/mailboxes/unit-summaries/tasks", body, format="json")
+    assert first.status_code == 201, first.content
+    with django_capture_on_commit_callbacks() as callbacks:
+        again = api.post("/v1/mailboxes/unit-summaries/tasks", body, format="json")
+    assert (again.status_code, again.json()["id"]) == (200, first.json()["id"]), again.content
+    (sent,) = dispatches(callbacks)
+    assert str(sent.args[1]) == first.json()["id"]
 
 
 def test_a_batch_submit_publishes_its_messages_in_one_go_after_commit(run, django_capture_on_commit_callbacks):
@@ -220,6 +243,21 @@ def test_group_members_are_validated_too(run):
     assert "title" in response.json()["error"]["details"]["input"]
     ok = api.post(f"/v1/groups/{group['id']}/members", {"input": {"title": "fine"}}, format="json")
     assert ok.status_code == 201
+
+
+def test_a_group_member_resubmitted_while_queued_is_sent_again(run, django_capture_on_commit_callbacks):
+    summarize.ids()
+    api = make_client(run.project)
+    group = api.post("/v1/groups", {"mailbox": "unit-summaries", "condition": "ALL_TERMINAL"}, format="json").json()
+    member = {"input": {"title": "fine"}, "key": "m1"}
+    with django_capture_on_commit_callbacks(execute=False):
+        first = api.post(f"/v1/groups/{group['id']}/members", member, format="json")
+    assert first.status_code == 201, first.content
+    with django_capture_on_commit_callbacks() as callbacks:
+        again = api.post(f"/v1/groups/{group['id']}/members", member, format="json")
+    assert (again.status_code, again.json()["id"]) == (200, first.json()["id"]), again.content
+    (sent,) = dispatches(callbacks)
+    assert str(sent.args[1]) == first.json()["id"]
 
 
 def test_input_is_validated_by_a_model(run):
