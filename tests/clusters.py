@@ -39,7 +39,7 @@ from runstate import Runstate, RunstateError
 from tests.processes import ROOT, free_port, manage, stop_process_groups
 from tests.reliability.ledger import Ledger, check_in_process, watch_sdk
 from tests.reliability.throwaway import ThrowawayPostgres
-from tests.workers.live import wait_until
+from tests.waiting import wait_until
 
 
 def require_pgbouncer() -> None:
@@ -205,7 +205,7 @@ class ApiOnPair:
             except httpx.TransportError:
                 return False
 
-        wait_until(ready, timeout_s=90, what="the API to be ready")
+        wait_until(ready, waits=2, what="the API to be ready")
 
     def spawn(self, name: str, command: list[str], **env: str) -> subprocess.Popen:
         """Start ``command`` as the child ``name`` in this environment plus ``env``."""

@@ -43,7 +43,7 @@ from coordination.states import MailboxMode, Permission
 from tests.api.test_process_cache import caches_on
 from tests.concurrency.util import run_closing
 from tests.tracing.conftest import spans  # noqa: F401 - the fixture: tracing on, an in-memory exporter
-from tests.workers.live import wait_until
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -71,7 +71,7 @@ def _cached_key(project, run_id=None, permissions=WRITE) -> str:
     generation = process_cache.api_keys.generation
     ApiKey.objects.filter(id=issued.api_key.id).update(last_used_at=timezone.now())
     # The update's notification forgets the key: wait for it before the key is read again.
-    wait_until(lambda: process_cache.api_keys.generation > generation, timeout_s=30, what="the key's notification")
+    wait_until(lambda: process_cache.api_keys.generation > generation, what="the key's notification")
     api_key_authenticate(issued.plaintext)
     return issued.plaintext
 

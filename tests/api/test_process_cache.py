@@ -19,15 +19,15 @@ from coordination.services.keys import ALL_PERMISSIONS, api_key_authenticate, ap
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from coordination.states import MailboxMode
 from tests.operator.live import uvicorn_server
+from tests.waiting import wait_until
 from tests.workers import live
-from tests.workers.live import wait_until
 
 
 def caches_on(settings) -> None:
     """Turn the caches on in this process, as the API's ASGI app does, and wait for LISTEN."""
     settings.RUNSTATE_PROCESS_CACHE_S = 3600  # nothing expires during a test: only a notification forgets
     assert process_cache.enable()
-    wait_until(lambda: process_cache._state.epoch is not None, timeout_s=30, what="the LISTEN connection")
+    wait_until(lambda: process_cache._state.epoch is not None, what="the LISTEN connection")
 
 
 def committed_elsewhere(sql: str, params: tuple = (), *, notify: bool = True) -> None:
@@ -76,7 +76,7 @@ def test_a_change_committed_by_another_connection_is_forgotten(settings, key):
     caches_on(settings)
     assert api_key_authenticate(key.plaintext) is not None
     committed_elsewhere("UPDATE coordination_apikey SET revoked_at = now() WHERE id = %s", (key.api_key.id,))
-    wait_until(lambda: api_key_authenticate(key.plaintext) is None, timeout_s=10, what="the revoked key to be refused")
+    wait_until(lambda: api_key_authenticate(key.plaintext) is None, what="the revoked key to be refused")
 
 
 def test_the_cache_really_serves_until_notified(settings, key):
@@ -87,7 +87,7 @@ def test_the_cache_really_serves_until_notified(settings, key):
     committed_elsewhere(silent, (key.api_key.id,), notify=False)
     assert api_key_authenticate(key.plaintext) is not None
     committed_elsewhere("SELECT pg_notify('runstate_cache', %s)", (str(key.api_key.id),))
-    wait_until(lambda: api_key_authenticate(key.plaintext) is None, timeout_s=10, what="the notification")
+    wait_until(lambda: api_key_authenticate(key.plaintext) is None, what="the notification")
 
 
 def test_revoking_in_this_process_forgets_at_once(settings, key):
@@ -121,7 +121,6 @@ def test_a_mailbox_change_reaches_the_cache(settings, project, transactional_db)
     committed_elsewhere("UPDATE coordination_mailbox SET lease_ttl_ms = 3000 WHERE id = %s", (first.id,))
     wait_until(
         lambda: mailbox_get(project_id=project.id, name="m").lease_ttl_ms == 3000,
-        timeout_s=10,
         what="the other connection's change",
     )
 
@@ -177,7 +176,7 @@ def test_a_revoked_key_is_refused_by_every_api_process(key, tmp_path):
             return httpx.get(f"{server.url}/v1/runs", headers=headers, timeout=10).status_code
 
         assert [status(s) for s in servers] == [200, 200]  # the first request starts each one's LISTEN
-        wait_until(lambda: listeners() >= 2, timeout_s=30, what="both servers to listen")
+        wait_until(lambda: listeners() >= 2, what="both servers to listen")
         assert [status(s) for s in servers] == [200, 200]  # read after LISTEN: now cached
         silent = "UPDATE coordination_apikey SET revoked_at = now() WHERE id = %s"
         committed_elsewhere(silent, (key.api_key.id,), notify=False)
@@ -190,6 +189,6 @@ def test_a_revoked_key_is_refused_by_every_api_process(key, tmp_path):
         api_key_revoke(api_key_id=key.api_key.id)
         refused_after = {}
         for name, server in zip("ab", servers, strict=True):
-            wait_until(lambda server=server: status(server) == 401, timeout_s=10, interval_s=0.02, what="the refusal")
+            wait_until(lambda server=server: status(server) == 401, interval_s=0.02, what="the refusal")
             refused_after[name] = round(time.monotonic() - revoked_at, 3)
         print(f"\nrevoked key refused after (s): {refused_after}")

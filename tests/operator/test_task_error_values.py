@@ -14,7 +14,7 @@ from coordination.models import Event
 from coordination.task_errors import error_code
 from tests.conftest import make_client
 from tests.operator.test_metrics import scrape, total, value
-from tests.workers.live import wait_until
+from tests.waiting import wait_until
 
 ERRORS = {
     "string": "boom",
@@ -62,7 +62,6 @@ def test_every_json_value_as_error_is_read_back_scraped_and_shown(project, anon,
     failed_before = total(before, "runstate_tasks_finished_total", state="FAILED")
     wait_until(
         lambda: total(scrape(anon), "runstate_tasks_finished_total", state="FAILED") > failed_before,
-        timeout_s=30,
         what="the metrics fold to count the failure",
     )
     samples = scrape(anon)

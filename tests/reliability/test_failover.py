@@ -34,7 +34,7 @@ import pytest
 from tests.clusters import ApiOnPair, StreamingPair, streaming_pair
 from tests.reliability.ledger import Ledger, check_in_process
 from tests.reliability.throwaway import throwaway_redis  # noqa: F401 - fixture
-from tests.workers.live import wait_until
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.postgres_only]
 
@@ -318,7 +318,6 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
                 and failover.count("complete") >= 20
                 and failover.count("cancel_run") >= 2
             ),
-            timeout_s=60,
             what="the load to get going",
         )
         assert pair.sync_state() == "sync"
@@ -339,7 +338,7 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
                 and failover.count("complete", promoted_at) >= 5
                 and failover.count("cancel_run", promoted_at) >= 1
             ),
-            timeout_s=RESUME_LIMIT_S,
+            limit_s=RESUME_LIMIT_S,
             interval_s=0.05,
             what=f"submits, completes and a cancel acknowledged within {RESUME_LIMIT_S} s of the promotion",
         )
@@ -371,7 +370,7 @@ def test_a_promoted_standby_has_every_acknowledged_write_and_the_service_resumes
                 conn.execute("SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN runstate'").fetchone()[0] >= 1
             )
 
-    wait_until(listening, timeout_s=30, what="the LISTEN hub to reconnect to the promoted standby")
+    wait_until(listening, what="the LISTEN hub to reconnect to the promoted standby")
 
     # The promoted standby, reached through the same multi-host URL, holds to the ledger.
     with psycopg.connect(pair.standby.url(), autocommit=True) as conn:

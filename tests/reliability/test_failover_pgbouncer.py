@@ -59,7 +59,8 @@ from tests.clusters import (
 from tests.reliability.ledger import LEDGER_DIR_ENV
 from tests.reliability.test_failover_workers import CELERY_MAILBOX, CELERY_MODULE, CELERY_PROJECT, HANDLER_S, prepare
 from tests.reliability.test_pgbouncer import LISTEN_APP_NAME, create_key
-from tests.workers.live import TEST_BROKER_URL, beat_command, purge_broker, wait_until, worker_command
+from tests.waiting import wait_until
+from tests.workers.live import TEST_BROKER_URL, beat_command, purge_broker, worker_command
 
 pytestmark = [pytest.mark.postgres_only]
 
@@ -224,7 +225,7 @@ def assert_a_standby_refuses_writes_as_an_outage(api: ApiOnPair, bouncer, run_id
                 ]
 
             # The server connections PgBouncer held to the primary close as they are released.
-            wait_until(lambda: answers()[0][1] == 503, timeout_s=20, what="PgBouncer to send writes to the standby")
+            wait_until(lambda: answers()[0][1] == 503, what="PgBouncer to send writes to the standby")
             assert answers() == [(name, 503, "SERVICE_UNAVAILABLE", "1") for name, _, _ in writes]
     finally:
         bouncer.point_at(api.pair.primary)
@@ -268,7 +269,6 @@ def test_behind_pgbouncer_a_promoted_standby_takes_over_once_pgbouncer_is_pointe
                 and sum(c.count() for c in claimers) >= 10
                 and len(pair.succeeded(celery_submitter.task_ids())) >= 5
             ),
-            timeout_s=60,
             interval_s=0.25,
             what="the load to get going, the Celery worker's tasks included",
         )
@@ -298,7 +298,7 @@ def test_behind_pgbouncer_a_promoted_standby_takes_over_once_pgbouncer_is_pointe
                 and sum(c.count(reloaded_at) for c in claimers) >= 5
                 and celery_submitter.count(reloaded_at) >= 5
             ),
-            timeout_s=RESUME_LIMIT_S - (time.monotonic() - promoted_at),
+            limit_s=RESUME_LIMIT_S - (time.monotonic() - promoted_at),
             interval_s=0.05,
             what=f"submits and completes acknowledged within {RESUME_LIMIT_S} s of the promotion",
         )
@@ -310,7 +310,7 @@ def test_behind_pgbouncer_a_promoted_standby_takes_over_once_pgbouncer_is_pointe
     try:
         wait_until(
             lambda: len(pair.succeeded(celery_tasks)) == len(celery_tasks),
-            timeout_s=DRAIN_TIMEOUT_S,
+            limit_s=DRAIN_TIMEOUT_S,
             interval_s=0.25,
             what="the Celery worker to complete every acknowledged submit",
         )
@@ -346,7 +346,7 @@ def test_behind_pgbouncer_a_promoted_standby_takes_over_once_pgbouncer_is_pointe
         query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND query = 'LISTEN runstate'"
         return pair.sql(query, LISTEN_APP_NAME)[0][0] >= 1
 
-    wait_until(listening, timeout_s=30, what="the LISTEN connection to reconnect to the promoted standby")
+    wait_until(listening, what="the LISTEN connection to reconnect to the promoted standby")
     assert pair.sql("SELECT pg_is_in_recovery(), inet_server_port()")[0] == (False, pair.standby.port)
     # Waits started after the switch are released by the complete that ends their task...
     seen = waits_are_released(api)
@@ -358,7 +358,7 @@ def test_behind_pgbouncer_a_promoted_standby_takes_over_once_pgbouncer_is_pointe
     with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=15) as client:
         assert client.get("/v1/runs").status_code == 200  # cached now
         assert bouncer.revoke_key(key) == 1
-        wait_until(lambda: client.get("/v1/runs").status_code == 401, timeout_s=15, what="the revoked key refused")
+        wait_until(lambda: client.get("/v1/runs").status_code == 401, what="the revoked key refused")
 
     # The promoted standby holds to the ledger: every acknowledged submit and complete, none twice.
     paths = [*(client.ledger.path for client in clients), *sorted(ledger_dir.glob("*.jsonl"))]

@@ -35,7 +35,8 @@ import pytest
 
 from tests.clusters import ApiOnPair, Submitter, refused_without_a_primary, streaming_pair
 from tests.reliability.ledger import LEDGER_DIR_ENV
-from tests.workers.live import TEST_BROKER_URL, beat_command, purge_broker, wait_until, worker_command
+from tests.waiting import wait_until
+from tests.workers.live import TEST_BROKER_URL, beat_command, purge_broker, worker_command
 
 pytestmark = [pytest.mark.postgres_only]
 
@@ -79,7 +80,6 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
     try:
         wait_until(
             lambda: len(api.pair.succeeded(submitter.task_ids())) >= 20,
-            timeout_s=60,
             interval_s=0.25,
             what=f"{what} to complete 20 tasks",
         )
@@ -89,14 +89,13 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
         pair.primary.stop("immediate")
         stopped_at = time.monotonic()
         refused = refused_without_a_primary(api, submitter.run_id, submitter.mailbox)
-        wait_until(lambda: submitter.seen(503), timeout_s=30, what="the SDK's submit to be answered 503")
+        wait_until(lambda: submitter.seen(503), what="the SDK's submit to be answered 503")
         time.sleep(max(0.0, NO_PRIMARY_FOR_S - (time.monotonic() - stopped_at)))
         pair.standby.promote()
         promoted_at, promoted_wall = time.monotonic(), time.time()
 
         wait_until(
             lambda: submitter.count(promoted_at) >= AFTER_PROMOTION,
-            timeout_s=60,
             interval_s=0.05,
             what=f"{AFTER_PROMOTION} submits acknowledged after the promotion",
         )
@@ -117,7 +116,7 @@ def ride_through_failover(api: ApiOnPair, submitter: Submitter, worker_pid: int,
     try:
         wait_until(
             lambda: len(api.pair.succeeded(acknowledged)) == len(acknowledged),
-            timeout_s=DRAIN_TIMEOUT_S,
+            limit_s=DRAIN_TIMEOUT_S,
             interval_s=0.25,
             what=f"{what} to complete every acknowledged submit",
         )

@@ -42,7 +42,8 @@ from tests.processes import free_port
 from tests.reliability import fault_tasks
 from tests.reliability.ledger import Ledger, Services
 from tests.sdk.conftest import server_env, wait_for_quiet_server
-from tests.workers.live import ROOT, TEST_BROKER_URL, beat_command, child_env, purge_broker, wait_until
+from tests.waiting import wait_until
+from tests.workers.live import ROOT, TEST_BROKER_URL, beat_command, child_env, purge_broker
 from workers.decorators import registry
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
@@ -172,7 +173,7 @@ def inject_kills(rng, run, children: Children, alive: list[subprocess.Popen], re
             held = holder_pids(run, [child.pid for child in alive])
             return sorted(held) or None
 
-        pids = wait_until(holding_worker, timeout_s=90, interval_s=0.02, what=f"{what}: {point} successes, work held")
+        pids = wait_until(holding_worker, waits=2, interval_s=0.02, what=f"{what}: {point} successes, work held")
         chosen = rng.choice(pids)
         victim = next(child for child in alive if child.pid == chosen)
         children.kill(victim)
@@ -288,7 +289,7 @@ def test_celery_workers_sigkilled_three_times_finish_200_tasks_exactly_once(
         interrupted = inject_kills(
             rng, run, children, alive, lambda: children.start("worker", celery_worker_command(), env), what="celery"
         )
-        wait_until(lambda: count(run, "SUCCEEDED") == TASKS, timeout_s=120, what="every task to succeed")
+        wait_until(lambda: count(run, "SUCCEEDED") == TASKS, waits=2, what="every task to succeed")
     except AssertionError:
         print(children.logs())
         raise
@@ -332,7 +333,7 @@ def faults_server(django_db_setup, tmp_path_factory):
             return False
 
     try:
-        wait_until(healthy, timeout_s=60, what="uvicorn to answer")
+        wait_until(healthy, what="uvicorn to answer")
         yield url
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -378,7 +379,7 @@ def test_sdk_consumers_sigkilled_three_times_finish_200_tasks_exactly_once(sdk_r
         interrupted = inject_kills(
             rng, setup.run, children, alive, lambda: setup.consumer(children, ledger_dir, 4), what="sdk"
         )
-        wait_until(lambda: count(setup.run, "SUCCEEDED") == TASKS, timeout_s=120, what="every task to succeed")
+        wait_until(lambda: count(setup.run, "SUCCEEDED") == TASKS, waits=2, what="every task to succeed")
     except AssertionError:
         print(children.logs())
         raise
@@ -400,7 +401,7 @@ def test_a_consumer_paused_past_its_lease_is_fenced_off_when_it_resumes(sdk_run,
     hold_log = tmp_path / "hold.log"
     task = ops.submit(setup.mailbox, setup.run.id, {"i": 0, "hold_log": str(hold_log)})
     paused = setup.consumer(children, ledger_dir, 1)
-    wait_until(lambda: hold_log.exists() and hold_log.read_text().strip(), timeout_s=30, what="the handler to hold")
+    wait_until(lambda: hold_log.exists() and hold_log.read_text().strip(), what="the handler to hold")
     assert hold_log.read_text().split() == ["holding", str(task.id), str(paused.pid)]
 
     os.killpg(paused.pid, signal.SIGSTOP)
@@ -410,9 +411,9 @@ def test_a_consumer_paused_past_its_lease_is_fenced_off_when_it_resumes(sdk_run,
         row = Task.objects.get(id=task.id)
         return row.state == "RUNNING" and row.attempts == 1 and row.lease_expires_at < timezone.now()
 
-    wait_until(lease_expired, timeout_s=30, what="the paused consumer's lease to run out")
+    wait_until(lease_expired, what="the paused consumer's lease to run out")
     taker = setup.consumer(children, ledger_dir, 1)
-    wait_until(lambda: count(setup.run, "SUCCEEDED") == 1, timeout_s=30, what="the other consumer to take over")
+    wait_until(lambda: count(setup.run, "SUCCEEDED") == 1, what="the other consumer to take over")
     row = Task.objects.get(id=task.id)
     assert (row.attempts, row.outcome["attempt"], row.outcome["pid"]) == (2, 2, taker.pid)
 
@@ -426,7 +427,7 @@ def test_a_consumer_paused_past_its_lease_is_fenced_off_when_it_resumes(sdk_run,
             if entry.claim_id == stale and entry.op in ("renew", "complete") and entry.code == "LEASE_LOST"
         ]
 
-    (refusal, *_) = wait_until(fenced_off, timeout_s=30, what="the resumed consumer to hear LEASE_LOST")
+    (refusal, *_) = wait_until(fenced_off, what="the resumed consumer to hear LEASE_LOST")
     # The stale claim changes nothing through the services either.
     with pytest.raises(exceptions.LeaseLost):
         ops.complete(stale, {"late": True})
@@ -460,14 +461,14 @@ def test_a_celery_worker_paused_past_its_lease_is_fenced_off_when_it_resumes(
     with ledger.op("submit", run_id=run.id) as call:
         task = fault_tasks.hold.submit(run.id, {"hold_log": str(hold_log)})
         call.done(task_id=task.id)
-    wait_until(lambda: hold_log.exists() and hold_log.read_text().strip(), timeout_s=60, what="the handler to hold")
+    wait_until(lambda: hold_log.exists() and hold_log.read_text().strip(), what="the handler to hold")
     holding_pid = int(hold_log.read_text().split()[2])
     (paused,) = [child for child in workers if child.pid == holding_pid]
     (taker,) = [child for child in workers if child is not paused]
 
     os.killpg(paused.pid, signal.SIGSTOP)
     stale = claim_id_for(task.id, 1)
-    wait_until(lambda: count(run, "SUCCEEDED") == 1, timeout_s=60, what="the sweep and the other worker to take over")
+    wait_until(lambda: count(run, "SUCCEEDED") == 1, what="the sweep and the other worker to take over")
     row = Task.objects.get(id=task.id)
     assert (row.attempts, row.outcome["attempt"], row.outcome["pid"]) == (2, 2, taker.pid)
     requeue = Event.objects.get(subject_id=str(task.id), type="task.requeued")
@@ -483,7 +484,7 @@ def test_a_celery_worker_paused_past_its_lease_is_fenced_off_when_it_resumes(
             if entry.claim_id == stale and entry.op in ("renew", "complete") and entry.code == "LEASE_LOST"
         ]
 
-    (refusal, *_) = wait_until(fenced_off, timeout_s=30, what="the resumed worker to hear LEASE_LOST")
+    (refusal, *_) = wait_until(fenced_off, what="the resumed worker to hear LEASE_LOST")
     with pytest.raises(exceptions.LeaseLost):
         ops.complete(stale, {"late": True})
     for child in workers:
@@ -543,7 +544,7 @@ def test_a_run_cancelled_while_four_threads_claim_and_complete_accepts_nothing_a
                     pass
 
     def canceller():
-        wait_until(lambda: race.completes() >= cancel_after, timeout_s=60, interval_s=0.002, what="completions")
+        wait_until(lambda: race.completes() >= cancel_after, interval_s=0.002, what="completions")
         ops.cancel_run(run.id, reason="race")
 
     runs = [run.id, run.id, child.id, child.id]

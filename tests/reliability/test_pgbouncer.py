@@ -36,7 +36,8 @@ from tests.clusters import pgbouncer_in_front
 from tests.processes import free_port, stop_process_groups
 from tests.reliability.test_restarts import BOUND_MAILBOX, PLAIN_MAILBOX, PROJECT, ROOT, Stack, manage, stack_env
 from tests.reliability.throwaway import throwaway_redis  # noqa: F401 - fixture
-from tests.workers.live import beat_command, wait_until
+from tests.waiting import wait_until
+from tests.workers.live import beat_command
 
 pytestmark = [pytest.mark.postgres_only]
 
@@ -123,7 +124,7 @@ def stack(bouncer, throwaway_redis, tmp_path_factory):  # noqa: F811 - pytest fi
             except httpx.TransportError:
                 return False
 
-        wait_until(ready, timeout_s=90, what="both API processes to be ready")
+        wait_until(ready, waits=2, what="both API processes to be ready")
         with built.client() as client:
             for name in (BOUND_MAILBOX, PLAIN_MAILBOX):
                 assert client.put(f"/v1/mailboxes/{name}", json={"mode": "WORK"}).status_code in (200, 201)
@@ -264,7 +265,6 @@ def test_a_notification_from_a_pooled_transaction_reaches_every_api_process(stac
         for name, client in clients.items():
             wait_until(
                 lambda client=client: client.get("/v1/runs").status_code == 401,
-                timeout_s=15,
                 what=f"{name} to refuse the revoked key",
             )
     finally:
@@ -280,7 +280,7 @@ def test_bound_work_is_done_by_the_celery_workers(stack):
     def all_done() -> bool:
         return set(stack.states("coordination_task", ids).values()) == {"SUCCEEDED"}
 
-    wait_until(all_done, timeout_s=60, interval_s=0.2, what="the workers to do the bound tasks")
+    wait_until(all_done, interval_s=0.2, what="the workers to do the bound tasks")
 
 
 def test_a_cancel_cascades_through_the_subtree(stack):

@@ -39,7 +39,8 @@ from tests.reliability.throwaway import (  # noqa: F401 - fixtures
     throwaway_postgres,
     throwaway_redis,
 )
-from tests.workers.live import beat_command, wait_until
+from tests.waiting import wait_until
+from tests.workers.live import beat_command
 
 pytestmark = [pytest.mark.postgres_only]
 
@@ -54,7 +55,6 @@ PROBE_MAILBOX = "restart-probe"  # nobody claims here but the test itself
 WORKER_APP_NAME = "runstate-restart-worker"  # application_name of the Celery worker's sessions
 REQUEST_TIMEOUT_S = 15.0
 DOWN_FOR_S = 3.0
-SETTLE_TIMEOUT_S = 90.0
 
 
 # The stack -----------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def stack(throwaway_postgres, throwaway_redis, tmp_path_factory):  # noqa: F811 
             except httpx.TransportError:
                 return False
 
-        wait_until(ready, timeout_s=90, what="the API to be ready")
+        wait_until(ready, waits=2, what="the API to be ready")
         with built.client() as client:
             for name in (BOUND_MAILBOX, PLAIN_MAILBOX, PROBE_MAILBOX):
                 assert client.put(f"/v1/mailboxes/{name}", json={"mode": "WORK"}).status_code in (200, 201)
@@ -383,7 +383,6 @@ def warm_up(load: Load) -> None:
         lambda: (
             len(load.submitted) >= 20 and len(load.completed) >= 5 and len(load.bound) >= 5 and len(load.timers) >= 3
         ),
-        timeout_s=60,
         what="the load to get going",
     )
 
@@ -396,9 +395,7 @@ def assert_nothing_lost(stack: Stack, load: Load) -> None:
         return len(states) == len(load.bound) and set(states.values()) == {"SUCCEEDED"}
 
     try:
-        wait_until(
-            bound_done, timeout_s=SETTLE_TIMEOUT_S, interval_s=0.5, what="every acknowledged bound task to be done"
-        )
+        wait_until(bound_done, waits=2, interval_s=0.5, what="every acknowledged bound task to be done")
     except AssertionError as late:
         states = Counter(stack.states("coordination_task", load.bound).values())
         raise AssertionError(f"{late}: {states} of {len(load.bound)}\n{stack.logs()}") from None
@@ -407,7 +404,7 @@ def assert_nothing_lost(stack: Stack, load: Load) -> None:
         states = stack.states("coordination_timer", load.timers)
         return len(states) == len(load.timers) and set(states.values()) <= {"FIRED", "ACKNOWLEDGED"}
 
-    wait_until(timers_fired, timeout_s=SETTLE_TIMEOUT_S, interval_s=0.5, what="every acknowledged timer to fire")
+    wait_until(timers_fired, waits=2, interval_s=0.5, what="every acknowledged timer to fire")
 
     # The ledger reads the database through Django: check in a process set up for the throwaway one.
     (project_id,) = stack.sql("SELECT id::text FROM coordination_project WHERE name = %s", PROJECT)[0]
@@ -441,7 +438,7 @@ def test_a_postgres_restart_costs_503s_while_down_and_nothing_once_back(stack):
         pg.stop("fast")
         load.phase = "down"
         down_at = time.monotonic()
-        wait_until(lambda: len(load.in_phase("down")) >= 20, timeout_s=60, what="answers while PostgreSQL is down")
+        wait_until(lambda: len(load.in_phase("down")) >= 20, what="answers while PostgreSQL is down")
         ready_status, ready_body, health_status = probe(stack)
         assert ready_status == 503, ready_body
         assert ready_body["checks"]["database"] != "ok" and ready_body["checks"]["broker"] == "ok", ready_body
@@ -453,7 +450,7 @@ def test_a_postgres_restart_costs_503s_while_down_and_nothing_once_back(stack):
         pg.start()
         load.phase = "after"
         restarted_at = time.monotonic()
-        wait_until(lambda: probe(stack)[0] == 200, timeout_s=60, what="readyz to answer 200 again")
+        wait_until(lambda: probe(stack)[0] == 200, what="readyz to answer 200 again")
         ready_after_s = time.monotonic() - restarted_at
         before = (len(load.submitted), len(load.completed), len(load.bound), len(load.timers))
         wait_until(
@@ -463,7 +460,6 @@ def test_a_postgres_restart_costs_503s_while_down_and_nothing_once_back(stack):
                 and len(load.bound) > before[2] + 3
                 and len(load.timers) > before[3] + 2
             ),
-            timeout_s=60,
             what="the load to be served again",
         )
         served_after_s = time.monotonic() - restarted_at
@@ -475,7 +471,6 @@ def test_a_postgres_restart_costs_503s_while_down_and_nothing_once_back(stack):
     # present now began after the restart), and a long-poll started now is released by a change.
     wait_until(
         lambda: stack.sql("SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN runstate'")[0][0] >= 1,
-        timeout_s=30,
         what="the NOTIFY listener to reconnect",
     )
     assert_long_poll_released(stack, load.run_id)
@@ -510,9 +505,9 @@ def assert_worker_connections_persist(stack: Stack, load: Load) -> None:
     def bound_succeeded() -> int:
         return list(stack.states("coordination_task", set(load.bound)).values()).count("SUCCEEDED")
 
-    wait_until(lambda: bool(sessions()), timeout_s=30, what="the worker to reconnect")
+    wait_until(lambda: bool(sessions()), what="the worker to reconnect")
     before, done_before = sessions(), bound_succeeded()
-    wait_until(lambda: bound_succeeded() >= done_before + 10, timeout_s=60, what="10 more bound tasks to be done")
+    wait_until(lambda: bound_succeeded() >= done_before + 10, what="10 more bound tasks to be done")
     after = sessions()
     assert 1 <= len(after) <= 6, after
     # A connection per task (Celery's default with Django) would show new sessions here.
@@ -552,7 +547,6 @@ def assert_sweeps_run(stack: Stack, run_id: str) -> None:
         assert [c["task"]["id"] for c in claims] == [task_id]
         wait_until(
             lambda: client.get(f"/v1/tasks/{task_id}").json()["state"] != "RUNNING",
-            timeout_s=30,
             interval_s=0.2,
             what="the lease sweep to settle an expired lease",
         )
@@ -572,7 +566,6 @@ def test_b_broker_restart_costs_no_5xx_and_work_submitted_meanwhile_gets_done(st
         bound_before = len(load.bound)
         wait_until(
             lambda: len(load.in_phase("down")) >= 20 and len(load.bound) > bound_before + 3,
-            timeout_s=60,
             what="bound submits acknowledged while Redis is down",
         )
         ready_status, ready_body, health_status = probe(stack)
@@ -587,10 +580,10 @@ def test_b_broker_restart_costs_no_5xx_and_work_submitted_meanwhile_gets_done(st
         redis.start()
         load.phase = "after"
         restarted_at = time.monotonic()
-        wait_until(lambda: probe(stack)[0] == 200, timeout_s=60, what="readyz to answer 200 again")
+        wait_until(lambda: probe(stack)[0] == 200, what="readyz to answer 200 again")
         ready_after_s = time.monotonic() - restarted_at
         bound_after = len(load.bound)
-        wait_until(lambda: len(load.bound) > bound_after + 3, timeout_s=60, what="bound submits after the restart")
+        wait_until(lambda: len(load.bound) > bound_after + 3, what="bound submits after the restart")
     finally:
         load.stop()
 
@@ -640,7 +633,7 @@ def test_c_the_pool_refuses_at_once_while_the_server_is_down_and_serves_once_it_
                     conn.execute("SELECT 1")
                 assert not isinstance(refused.value, PoolTimeout), refused.value
             server.start()
-            wait_until(serves, timeout_s=30, interval_s=0.2, what="the pool to serve again")
+            wait_until(serves, interval_s=0.2, what="the pool to serve again")
         finally:
             pool.close()
     finally:

@@ -14,8 +14,8 @@ from coordination.models import Task
 from coordination.services.runs import run_create
 from tests.tracing import celery_tasks as ct
 from tests.tracing.conftest import attributes, one
+from tests.waiting import wait_until
 from tests.workers.celery_tasks import read_notes
-from tests.workers.live import wait_until
 from tests.workers.test_decorator_live import BROKER_URL, Cluster, worker_command
 from workers.decorators import registry
 
@@ -69,8 +69,8 @@ def test_a_decorated_task_runs_in_a_process_span_child_of_the_submitters_send_sp
     assert send.parent.span_id == caller.get_span_context().span_id
     assert send.attributes["runstate.task_id"] == str(task.id)
 
-    wait_until(lambda: Task.objects.get(id=task.id).state == "SUCCEEDED", timeout_s=60, what="the task")
-    [process] = wait_until(lambda: process_spans(receiver, str(task.id)), timeout_s=30, what="the process span")
+    wait_until(lambda: Task.objects.get(id=task.id).state == "SUCCEEDED", what="the task")
+    [process] = wait_until(lambda: process_spans(receiver, str(task.id)), what="the process span")
     assert process.trace_id.hex() == format(caller.get_span_context().trace_id, "032x")
     assert process.parent_span_id.hex() == format(send.context.span_id, "016x")
     seen = attributes(process)
@@ -99,12 +99,12 @@ def test_a_takeover_after_sigkill_adds_a_second_process_span_with_attempt_2_to_t
     with trace.get_tracer("test").start_as_current_span("the caller") as caller:
         task = ct.hangs_first.submit(run.id, {"log": log})
     send = one(spans.get_finished_spans(), "send celery-traced-takeover")
-    wait_until(lambda: len(read_notes(log)) == 1, timeout_s=60, what="the first attempt to start")
+    wait_until(lambda: len(read_notes(log)) == 1, what="the first attempt to start")
     cluster.kill(first)  # SIGKILL: the first attempt's span never ends, its lease runs out
     start_worker(cluster)
 
-    wait_until(lambda: Task.objects.get(id=task.id).state == "SUCCEEDED", timeout_s=90, what="the takeover")
-    [second] = wait_until(lambda: process_spans(receiver, str(task.id)), timeout_s=30, what="the second span")
+    wait_until(lambda: Task.objects.get(id=task.id).state == "SUCCEEDED", waits=2, what="the takeover")
+    [second] = wait_until(lambda: process_spans(receiver, str(task.id)), what="the second span")
     assert attributes(second)["runstate.attempt"] == 2
     assert second.trace_id.hex() == format(caller.get_span_context().trace_id, "032x")
     assert second.parent_span_id.hex() == format(send.context.span_id, "016x")

@@ -18,7 +18,7 @@ from runstate import Runstate
 from tests.mcp.conftest import call, stdio_session
 from tests.sdk.conftest import sdk, sdk_server  # noqa: F401 - fixtures
 from tests.tracing.conftest import attributes, one
-from tests.workers.live import wait_until
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

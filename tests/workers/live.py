@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -96,14 +95,3 @@ def beat_command(schedule_dir: Path) -> list[str]:
         "--pidfile",
         str(schedule_dir / "beat.pid"),
     ]
-
-
-def wait_until(predicate, *, timeout_s: float = 30, interval_s: float = 0.1, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out waiting for {what}")

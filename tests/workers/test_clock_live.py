@@ -18,7 +18,8 @@ from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
-from tests.workers.live import ROOT, beat_command, child_env, processes, purge_broker, wait_until, worker_command
+from tests.waiting import wait_until
+from tests.workers.live import ROOT, beat_command, child_env, processes, purge_broker, worker_command
 
 # Beat registers its periodic sweeps when it starts, so a flushed test database is fine.
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
@@ -40,9 +41,7 @@ def project():
 def test_a_timer_fires_with_no_waiter(clock, project):
     run = run_create(project_id=project.id)
     timer = timer_create(project_id=project.id, run_id=run.id, after_seconds=1)
-    fired = wait_until(
-        lambda: Timer.objects.filter(id=timer.id, state="FIRED").first(), timeout_s=30, what="the timer to fire"
-    )
+    fired = wait_until(lambda: Timer.objects.filter(id=timer.id, state="FIRED").first(), what="the timer to fire")
     assert fired.fired_at >= fired.fire_at
     assert Event.objects.filter(type="timer.fired", subject_id=str(timer.id)).count() == 1
 
@@ -57,7 +56,6 @@ def test_a_run_deadline_expires_its_work_and_fails_its_group(clock, project):
     member, _, _ = group_submit(project_id=project.id, group_id=group.id, input={})
     wait_until(
         lambda: Task.objects.filter(id__in=[t.id for t in tasks], state="EXPIRED").count() == 3,
-        timeout_s=30,
         what="the queued tasks to expire",
     )
     group.refresh_from_db()
@@ -71,7 +69,7 @@ def test_a_worker_that_stops_renewing_has_its_task_taken_over(clock, project):
     task, _ = task_submit(project_id=project.id, mailbox=jobs, run_id=run.id, input={})
     (stale,) = task_claim(project_id=project.id, mailbox=jobs, run_id=run.id, worker_id="crashed", lease_ttl_ms=500)
     # The crashed worker never renews; the lease sweep puts the task back on its own.
-    wait_until(lambda: Task.objects.filter(id=task.id, state="QUEUED").exists(), timeout_s=30, what="the lease sweep")
+    wait_until(lambda: Task.objects.filter(id=task.id, state="QUEUED").exists(), what="the lease sweep")
     assert Event.objects.filter(type="task.requeued", subject_id=str(task.id)).first().data["cause"] == "lease_expired"
     (fresh,) = task_claim(project_id=project.id, mailbox=jobs, run_id=run.id, worker_id="healthy")
     assert (fresh.task.id, fresh.attempt) == (task.id, stale.attempt + 1)

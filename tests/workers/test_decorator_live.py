@@ -27,9 +27,10 @@ from coordination.services.runs import run_cancel, run_create
 from coordination.states import TASK_TERMINAL
 from tests.conftest import make_client
 from tests.processes import stop_process_groups
+from tests.waiting import wait_until
 from tests.workers import celery_tasks as ct
 from tests.workers.celery_tasks import read_notes
-from tests.workers.live import ROOT, beat_command, child_env, wait_until
+from tests.workers.live import ROOT, beat_command, child_env
 from workers.decorators import registry
 from workers.dispatch import send_work
 
@@ -150,9 +151,9 @@ def test_200_decorated_tasks_are_completed_exactly_once_by_a_4_process_worker(cl
     for task in tasks[:40]:
         send_work(ct.bulk, task.id)
 
-    wait_until(lambda: count(run, "SUCCEEDED") == 200, timeout_s=120, what="200 tasks to succeed")
+    wait_until(lambda: count(run, "SUCCEEDED") == 200, waits=2, what="200 tasks to succeed")
     broker = redis.Redis.from_url(BROKER_URL)
-    wait_until(lambda: broker.llen("celery") == 0, timeout_s=30, what="the duplicates to be consumed")
+    wait_until(lambda: broker.llen("celery") == 0, what="the duplicates to be consumed")
     time.sleep(1)
 
     rows = Task.objects.filter(run=run)
@@ -186,7 +187,6 @@ def test_cooperative_cancel_of_running_decorated_tasks(cluster, run, log, tmp_pa
     ids = {name: str(task.id) for name, task in cases.items()}
     wait_until(
         lambda: set(ids.values()) <= set(started(log)) and count(run, "RUNNING") == len(cases),
-        timeout_s=60,
         what="every handler to run",
     )
 
@@ -196,9 +196,7 @@ def test_cooperative_cancel_of_running_decorated_tasks(cluster, run, log, tmp_pa
         assert response.status_code == 200, response.content
         assert response.json()["state"] == "CANCELLATION_REQUESTED"
 
-    wait_until(
-        lambda: all(state in TASK_TERMINAL for state in states(run).values()), timeout_s=30, what="every task to end"
-    )
+    wait_until(lambda: all(state in TASK_TERMINAL for state in states(run).values()), what="every task to end")
     tasks = {name: Task.objects.get(id=task_id) for name, task_id in ids.items()}
     assert {name: task.state for name, task in tasks.items()} == {
         "returns": "CANCELLED",
@@ -229,7 +227,6 @@ def test_cooperative_cancel_of_running_decorated_tasks(cluster, run, log, tmp_pa
     release.touch()
     wait_until(
         lambda: {ids["ignores_grace"], ids["ignores_lease"]} <= set(started(log, "returned")),
-        timeout_s=20,
         what="the ignoring handlers to return",
     )
     time.sleep(0.5)
@@ -247,9 +244,7 @@ def test_a_soft_time_limit_is_a_failure_and_an_exception_retries_after_a_delay(c
     cluster.worker(concurrency=2, pool="prefork")
     overrun = ct.overrun.submit(run.id, {"log": log})
     flaky = ct.flaky.submit(run.id, {"log": log})
-    wait_until(
-        lambda: all(state in TASK_TERMINAL for state in states(run).values()), timeout_s=30, what="both tasks to end"
-    )
+    wait_until(lambda: all(state in TASK_TERMINAL for state in states(run).values()), what="both tasks to end")
 
     overrun.refresh_from_db()
     assert overrun.state == "FAILED"
@@ -274,7 +269,6 @@ def test_run_cancel_while_50_decorated_tasks_run_records_no_success_after_the_ca
     tasks = [ct.step.submit(run.id, {"log": log, "seconds": rng.uniform(0.3, 4.0)}) for _ in range(50)]
     wait_until(
         lambda: count(run, "SUCCEEDED") >= 5 and count(run, "RUNNING") >= 8,
-        timeout_s=60,
         what="tasks both finished and running",
     )
 
@@ -289,7 +283,6 @@ def test_run_cancel_while_50_decorated_tasks_run_records_no_success_after_the_ca
     # Running handlers hear it at their next heartbeat (the renewal is refused) and stop.
     wait_until(
         lambda: running_at_cancel <= set(started(log, "stopped")) | set(started(log, "finished")),
-        timeout_s=10,
         what="running handlers to stop",
     )
     stopped = started(log, "stopped")
@@ -323,7 +316,7 @@ def test_sigkill_of_the_worker_mid_run_then_a_restart_completes_every_task_exact
     kill_after = rng.randint(5, 60)
     wait_until(
         lambda: count(run, "SUCCEEDED") >= kill_after and count(run, "RUNNING") >= 1,
-        timeout_s=90,
+        waits=2,
         what=f"{kill_after} successes with work in flight",
     )
 
@@ -332,7 +325,7 @@ def test_sigkill_of_the_worker_mid_run_then_a_restart_completes_every_task_exact
     assert interrupted
     time.sleep(rng.uniform(0, 1.5))
     cluster.worker(concurrency=4, pool="prefork", **worker_env)
-    wait_until(lambda: count(run, "SUCCEEDED") == 100, timeout_s=120, what="every task to succeed")
+    wait_until(lambda: count(run, "SUCCEEDED") == 100, waits=2, what="every task to succeed")
 
     rows = {task.id: task for task in Task.objects.filter(run=run)}
     succeeded = Event.objects.filter(run_id=run.id, type="task.succeeded")
@@ -394,7 +387,6 @@ def test_a_group_executed_by_decorated_tasks_finalizes_and_cancels_its_losers_mi
             Task.objects.filter(id__in=fast, state="SUCCEEDED").count() == 2
             and Task.objects.filter(id__in=slow, state="RUNNING").count() >= 2
         ),
-        timeout_s=60,
         what="the fast drafts to succeed while slow ones run",
     )
 
@@ -412,7 +404,7 @@ def test_a_group_executed_by_decorated_tasks_finalizes_and_cancels_its_losers_mi
     assert set(losers.values_list("state", "cancel_reason")) == {("CANCELLED", "group_threshold_reached")}
 
     # The running losers' handlers hear it at their next heartbeat and stop; queued ones never start.
-    wait_until(lambda: running <= set(started(log, "stopped")), timeout_s=10, what="running losers to stop")
+    wait_until(lambda: running <= set(started(log, "stopped")), what="running losers to stop")
     time.sleep(1.5)
     assert set(started(log)) & set(slow) == running
     assert {parts[3] for parts in started(log, "stopped").values()} == {"SCOPE_CANCELLED"}

@@ -7,7 +7,7 @@ from django.test.utils import CaptureQueriesContext
 from coordination import process_cache
 from coordination.services.runs import run_create
 from tests.api.test_process_cache import committed_elsewhere
-from tests.workers.live import wait_until
+from tests.waiting import wait_until
 from workers import decorators, runstate_task
 from workers.decorators import registry
 
@@ -34,7 +34,7 @@ def test_a_worker_submit_reads_its_mailbox_from_the_process_cache_until_the_row_
     decorators.cache_mailboxes_in_this_worker(sender=None)
     run = run_create(project_id=follow_up.project_id)
     assert follow_up.submit(run.id).max_attempts == 3
-    wait_until(lambda: process_cache._state.epoch is not None, timeout_s=30, what="the LISTEN connection")
+    wait_until(lambda: process_cache._state.epoch is not None, what="the LISTEN connection")
     follow_up.submit(run.id)  # read once more since the listener is up: now cached
     with CaptureQueriesContext(connection) as queries:
         assert follow_up.submit(run.id).max_attempts == 3
@@ -42,5 +42,5 @@ def test_a_worker_submit_reads_its_mailbox_from_the_process_cache_until_the_row_
 
     _, mailbox_id = follow_up.ids()
     committed_elsewhere("UPDATE coordination_mailbox SET max_attempts = 7 WHERE id = %s", (mailbox_id,))
-    wait_until(lambda: len(process_cache.mailboxes) == 0, timeout_s=30, what="the change's notification")
+    wait_until(lambda: len(process_cache.mailboxes) == 0, what="the change's notification")
     assert follow_up.submit(run.id).max_attempts == 7
