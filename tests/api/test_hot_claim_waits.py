@@ -31,10 +31,11 @@ from tests.api.test_hot_path import (
     fresh_state,
     normalized,
 )
-from tests.api.test_hot_waits import _key_id, _until, app_client, leaving_client, refused_while_one_waits
+from tests.api.test_hot_waits import _key_id, app_client, leaving_client, refused_while_one_waits
 from tests.api.test_process_cache import caches_on
 from tests.concurrency.util import run_closing
 from tests.operator.live import asgi_http_scope
+from tests.waiting import until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -137,7 +138,7 @@ def woken_by_a_submit(settings, hot_on: bool) -> tuple[list[tuple], int]:
             first = await post(client, drained(state))
             served = _served()
             sent = asyncio.ensure_future(client.post(path, content=body, headers=headers))
-            await _until(lambda: _parked() == parked + 1 or sent.done(), "the claim parked")
+            await until(lambda: _parked() == parked + 1 or sent.done(), what="the claim parked")
             assert not sent.done(), sent.result()
             await longpoll.db(
                 task_submit, project_id=mailbox.project_id, mailbox=mailbox, run_id=uuid.UUID(state.run_id), input=7
@@ -271,7 +272,7 @@ def test_a_waiting_claim_whose_client_leaves_leaves_nothing_behind(api_process):
         receive, send, sent, gone = leaving_client(body)
         try:
             app = asyncio.create_task(application(scope, receive, send))
-            await _until(lambda: _parked() == parked + 1, "the claim parked")
+            await until(lambda: _parked() == parked + 1, what="the claim parked")
             assert longpoll.watches() and waits.waits_held(api_key_id=api_key_id) == 1
             gone.set()
             await asyncio.wait_for(app, 30)

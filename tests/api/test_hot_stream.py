@@ -12,7 +12,6 @@ leaves the shared feed.
 import asyncio
 import json
 import re
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -30,9 +29,10 @@ from coordination.services.runs import run_create
 from coordination.services.timers import timer_fire
 from coordination.states import Permission
 from tests.api.test_hot_path import _cached_key, api_process, normalized  # noqa: F401 - the fixture
-from tests.api.test_hot_waits import UNKNOWN, WaitState, _key_id, _until, cursors_hidden, fresh_wait_state
+from tests.api.test_hot_waits import UNKNOWN, WaitState, _key_id, cursors_hidden, fresh_wait_state
 from tests.api.test_process_cache import caches_on
 from tests.concurrency.test_coalesced_waits import asgi_request
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -123,15 +123,14 @@ def _horizon_settled() -> None:
     worker, a cascade) may hold such a transaction open for a moment, more so on a loaded
     machine; two streams compared byte for byte must start from the same settled head.
     """
-    deadline = time.monotonic() + 60
     with connection.cursor() as cursor:
-        while True:
+
+        def settled() -> bool:
             cursor.execute(f"SELECT max(txid) < {selectors.EVENT_HORIZON_SQL} FROM {Event._meta.db_table}")
-            [(settled,)] = cursor.fetchall()
-            if settled is not False:  # True, or no event at all (NULL)
-                return
-            assert time.monotonic() < deadline, "the event horizon did not pass the events committed"
-            time.sleep(0.02)
+            [(below,)] = cursor.fetchall()
+            return below is not False  # True, or no event at all (NULL)
+
+        wait_until(settled, what="the event horizon to pass the events committed", interval_s=0.02)
 
 
 async def _stream_once(state: WaitState, stream: Stream, mark: str) -> httpx.Response:
@@ -140,13 +139,15 @@ async def _stream_once(state: WaitState, stream: Stream, mark: str) -> httpx.Res
     key = None if stream.anonymous else stream.key or state.base.key
     headers = STREAM_ACCEPT | stream.headers
     app, gone, sent = asgi_request("/v1/events/stream", stream.query, key, headers=headers, repeated=stream.repeated)
-    await _until(lambda: _complete(sent) or b"retry:" in _body(sent), "the answer or the stream's start")
+    await until(lambda: _complete(sent) or b"retry:" in _body(sent), what="the answer or the stream's start")
     if not _complete(sent):
         for event_type in stream.backlog:
-            await _until(lambda t=event_type: b"event: %s\n" % t.encode() in _body(sent), f"the backlog's {event_type}")
+            await until(
+                lambda t=event_type: b"event: %s\n" % t.encode() in _body(sent), what=f"the backlog's {event_type}"
+            )
         await longpoll.db(_write, state, stream.writes, mark)
         for event_type in stream.awaited if stream.writes else ():
-            await _until(lambda t=event_type: _arrived(_body(sent), t, mark), f"the last {event_type} streamed")
+            await until(lambda t=event_type: _arrived(_body(sent), t, mark), what=f"the last {event_type} streamed")
     gone.set()
     await asyncio.wait_for(app, 30)
     [start] = [m for m in sent if m["type"] == "http.response.start"]
@@ -312,7 +313,7 @@ def _held_open_then_another(settings, hot_on: bool) -> tuple:
         await (await hot_db.pool()).wait(timeout=30)
         try:
             first, gone, sent = asgi_request("/v1/events/stream", "", state.base.key)
-            await _until(lambda: b"retry:" in _body(sent), "the first stream started")
+            await until(lambda: b"retry:" in _body(sent), what="the first stream started")
             second = await _stream_once(state, Stream(), "m")
             gone.set()
             await asyncio.wait_for(first, 30)
@@ -349,12 +350,12 @@ def test_a_hot_stream_whose_client_leaves_gives_its_place_back_and_leaves_the_fe
 
         try:
             app, gone, sent = asgi_request("/v1/events/stream", "", state.base.key, send=slowly)
-            await _until(lambda: b"retry:" in _body(sent), "the stream started")
+            await until(lambda: b"retry:" in _body(sent), what="the stream started")
             held, feed = waits.waits_held(api_key_id=api_key_id), sse.event_feed()
             streams = None if feed is None else len(feed.streams)
             if when == "while streaming":
                 await longpoll.db(_write, state, TICKS, "m")
-                await _until(lambda: b'"last":true' in _body(sent), "the events streamed")
+                await until(lambda: b'"last":true' in _body(sent), what="the events streamed")
             gone.set()
             await asyncio.wait_for(app, 30)
             return held, streams, sse.event_feed(), sent

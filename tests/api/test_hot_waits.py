@@ -51,6 +51,7 @@ from tests.api.test_hot_path import (
 from tests.api.test_process_cache import caches_on
 from tests.api.test_wait_render_once import undecided_group
 from tests.concurrency.test_coalesced_waits import asgi_request
+from tests.waiting import until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -277,14 +278,6 @@ def _rendered(wait: str) -> float:
     return metrics.WAIT_ANSWERS_RENDERED.labels(wait)._value.get()
 
 
-async def _until(condition, what: str, timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 # Each wait decided while its waiters wait: (label, the waiters' request, what decides it, in a thread).
 def _task_decided(s: WaitState):
     return (
@@ -356,7 +349,7 @@ def answered_while_waiting(settings, hot_on: bool, scenario) -> tuple[list[tuple
                 asyncio.ensure_future(client.request(method, path, content=body, headers=each))
                 for each in (headers, headers, other)
             ]
-            await _until(lambda: _parked() == parked + 3 or any(s.done() for s in sent), "three waiters parked")
+            await until(lambda: _parked() == parked + 3 or any(s.done() for s in sent), what="three waiters parked")
             assert not any(s.done() for s in sent), [s.result() for s in sent if s.done()]
             if decide is not None:
                 await longpoll.db(decide)
@@ -408,7 +401,7 @@ async def refused_while_one_waits(send):
     """Park one wait sent by ``send()``, then return the answer to a second one (the first is cancelled)."""
     parked = _parked()
     first = asyncio.ensure_future(send())
-    await _until(lambda: _parked() == parked + 1, "the first wait parked")
+    await until(lambda: _parked() == parked + 1, what="the first wait parked")
     second = await send()
     first.cancel()
     return second
@@ -425,7 +418,7 @@ def test_a_hot_waiter_whose_client_leaves_leaves_nothing_behind(api_process):  #
         parked = _parked()
         try:
             app, gone, sent = asgi_request(path, "timeoutMs=20000", state.base.key)
-            await _until(lambda: _parked() == parked + 1, "the waiter parked")
+            await until(lambda: _parked() == parked + 1, what="the waiter parked")
             assert longpoll.watches() and waits.waits_held(api_key_id=api_key_id) == 1
             gone.set()
             await asyncio.wait_for(app, 30)
@@ -609,7 +602,7 @@ def events_while_waiting(settings, hot_on: bool) -> tuple[list[tuple], int]:
                 asyncio.ensure_future(client.get(path, headers={"Authorization": f"Bearer {key}"}))
                 for key in (state.base.key, state.uncached_key)
             ]
-            await _until(lambda: _parked() == parked + 2 or any(s.done() for s in sent), "two readers parked")
+            await until(lambda: _parked() == parked + 2 or any(s.done() for s in sent), what="two readers parked")
             assert not any(s.done() for s in sent), [s.result() for s in sent if s.done()]
             await longpoll.db(
                 task_submit, project_id=state.project_id, mailbox=mailbox, run_id=run.id, input={"new": 1}
@@ -652,7 +645,7 @@ def test_waiters_joining_before_the_first_read_is_sent_share_it(api_process, mon
             async with (await hot_db.pool()).connection():  # the pool's only connection, held
                 sent = [asyncio.ensure_future(client.get(path, headers=headers)) for _ in range(20)]
                 members = lambda: sum(w.members for w in longpoll.watches().values())  # noqa: E731
-                await _until(lambda: members() == 20, "twenty waiters joined")
+                await until(lambda: members() == 20, what="twenty waiters joined")
             return await asyncio.gather(*sent)
 
     served = hot.SERVED["GroupWait"]

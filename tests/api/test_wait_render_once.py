@@ -9,7 +9,6 @@ waiter holds no thread; a waiter whose client goes away gives back its place and
 
 import asyncio
 import re
-import time
 import uuid
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.states import Permission, Verdict
 from tests.operator.live import uvicorn_server
+from tests.waiting import until
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -67,11 +67,9 @@ def threads_of(server) -> int:
     return int(re.search(r"^Threads:\s+(\d+)", Path(f"/proc/{server.process.pid}/status").read_text(), re.M).group(1))
 
 
-async def until(condition, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)
+def scraped(condition):
+    """``condition`` as a predicate for ``until`` whose scrape (a blocking HTTP request) runs off the event loop."""
+    return lambda: asyncio.to_thread(condition)
 
 
 async def open_get(server, path: str, key: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -120,7 +118,12 @@ def test_a_thousand_waiters_in_two_processes_get_the_same_bytes_rendered_once_pe
         connections = [await open_get(servers[n % 2], path, key) for n in range(WAITERS)]
         answers = [asyncio.create_task(answer_of(*connection)) for connection in connections]
         for server in servers:
-            await until(lambda s=server: metric(s, "runstate_waiters_parked") == WAITERS // 2, "every waiter parked")
+            await until(
+                scraped(lambda s=server: metric(s, "runstate_waiters_parked") == WAITERS // 2),
+                what="every waiter parked",
+                interval_s=0.2,
+                waits=2,
+            )
         threads = [threads_of(server) for server in servers]
         assert not any(answer.done() for answer in answers)
         await db(group_verdict, project_id=project.id, group_id=group.id, task_id=task.id, verdict=Verdict.ACCEPTED)
@@ -163,16 +166,24 @@ def test_a_waiter_whose_client_leaves_gives_back_its_place_and_its_watch(project
 
     async def scenario():
         connections = [await open_get(server, path, key) for _ in range(3)]
-        await until(lambda: metric(server, "runstate_waiters_parked") == 3, "the waiters parked")
+        await until(
+            scraped(lambda: metric(server, "runstate_waiters_parked") == 3), what="the waiters parked", interval_s=0.2
+        )
         assert metric(server, "runstate_watches") == 1
         assert metric(server, "runstate_waits_held") == 3
         for _, writer in connections[:2]:
             writer.close()
-        await until(lambda: metric(server, "runstate_waiters_parked") == 1, "two waiters gone")
+        await until(
+            scraped(lambda: metric(server, "runstate_waiters_parked") == 1), what="two waiters gone", interval_s=0.2
+        )
         assert metric(server, "runstate_waits_held") == 1
         assert metric(server, "runstate_watches") == 1  # the last waiter still watches
         connections[2][1].close()
-        await until(lambda: metric(server, "runstate_watches") == 0, "the watch removed with its last waiter")
+        await until(
+            scraped(lambda: metric(server, "runstate_watches") == 0),
+            what="the watch removed with its last waiter",
+            interval_s=0.2,
+        )
 
     asyncio.run(scenario())
     assert metric(server, "runstate_waiters_parked") == 0

@@ -13,7 +13,8 @@ from django.test import override_settings
 from coordination.api.waits import waits_held
 from coordination.services.keys import api_key_create
 from coordination.states import Permission
-from tests.concurrency.test_coalesced_waits import asgi_request, undecided_group, until
+from tests.concurrency.test_coalesced_waits import asgi_request, undecided_group
+from tests.waiting import until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,8 +40,10 @@ def test_a_wait_beyond_the_cap_is_rate_limited_for_that_key_only_until_a_wait_en
     async def scenario():
         first, first_gone, _ = asgi_request(wait, "timeoutMs=30000", key)
         stream, stream_gone, stream_sent = asgi_request("/v1/events/stream", "", key)
-        await until(lambda: waits_held(api_key_id=key_id) == 2, "two waits held")
-        await until(lambda: any(m.get("body", b"").startswith(b"retry:") for m in stream_sent), "the stream started")
+        await until(lambda: waits_held(api_key_id=key_id) == 2, what="two waits held")
+        await until(
+            lambda: any(m.get("body", b"").startswith(b"retry:") for m in stream_sent), what="the stream started"
+        )
 
         # A third wait of the same key, long-poll or stream: refused at once.
         third, _, sent = asgi_request(wait, "timeoutMs=30000", key)
@@ -57,7 +60,7 @@ def test_a_wait_beyond_the_cap_is_rate_limited_for_that_key_only_until_a_wait_en
         first_gone.set()
         stream_gone.set()
         await asyncio.wait_for(asyncio.gather(first, stream), 30)
-        await until(lambda: waits_held(api_key_id=key_id) == 0, "the places given back")
+        await until(lambda: waits_held(api_key_id=key_id) == 0, what="the places given back")
         again, _, sent = asgi_request(wait, "timeoutMs=50", key)
         after = await answer(again, sent)
         return refused, refused_stream, not_waiting, other_key, after

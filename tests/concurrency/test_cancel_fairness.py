@@ -23,7 +23,8 @@ from coordination.services.quotas import quota_put, quota_take
 from coordination.services.runs import run_cancel, run_complete, run_create
 from coordination.services.tasks import TaskSpec, task_submit, tasks_submit_many
 from coordination.states import RunState
-from tests.concurrency.util import GIVE_UP_S, backend_pid, race_a_cancel, run_closing, wait_until, waiting_on_a_lock
+from tests.concurrency.util import backend_pid, race_a_cancel, run_closing, waiting_on_a_lock
+from tests.waiting import WAIT_S, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -78,7 +79,7 @@ def test_a_creator_arriving_while_a_cancel_waits_queues_behind_it_and_is_refused
         with transaction.atomic():
             create(child)
             holding.set()
-            assert let_go.wait(GIVE_UP_S)
+            assert let_go.wait(WAIT_S)
 
     def ender():
         pids["ender"] = backend_pid()
@@ -95,21 +96,26 @@ def test_a_creator_arriving_while_a_cancel_waits_queues_behind_it_and_is_refused
     threads = [threading.Thread(target=run_closing(target, errors)) for target in (in_flight, ender, late)]
     try:
         threads[0].start()
-        assert holding.wait(GIVE_UP_S)
+        assert holding.wait(WAIT_S)
         threads[1].start()
-        wait_until(lambda: "ender" in pids and waiting_on_a_lock(pids["ender"]), "the end waits for the creator in")
+        wait_until(
+            lambda: "ender" in pids and waiting_on_a_lock(pids["ender"]),
+            what="the end waits for the creator in",
+            interval_s=0.01,
+        )
         threads[2].start()
         # The late creator must queue behind the waiting end, not slip in beside the creator in.
         wait_until(
             lambda: "late" in outcome or ("late" in pids and waiting_on_a_lock(pids["late"])),
-            "the late creator finishes or waits",
+            what="the late creator finishes or waits",
+            interval_s=0.01,
         )
         assert "late" not in outcome, f"the {kind} went ahead of a waiting run end"
     finally:
         let_go.set()
         for thread in threads:
             if thread.ident is not None:  # started
-                thread.join(GIVE_UP_S)
+                thread.join(WAIT_S)
     assert not any(thread.is_alive() for thread in threads)
     assert errors == []  # the creator in and the end both committed
     expected = exceptions.ScopeCancelled if end is run_cancel else exceptions.ScopeCompleted

@@ -11,7 +11,6 @@ without a gap. No duration is asserted.
 import asyncio
 import re
 import socket
-import time
 import uuid
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.states import Permission
 from tests.operator.live import Reader, asgi_http_scope, parse_frame, uvicorn_server
+from tests.waiting import WAIT_S, until, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -63,7 +63,7 @@ def decide_and_count_notifications(project, group) -> int:
         marker = f"marker-{uuid.uuid4()}"
         listener.execute("SELECT pg_notify(%s, %s)", [CHANNEL, marker])
         named = 0
-        for notify in listener.notifies(timeout=60):
+        for notify in listener.notifies(timeout=WAIT_S):
             if notify.payload == marker:
                 return named
             named += str(group.id) in notify.payload.split()
@@ -93,11 +93,14 @@ def test_a_thousand_waiters_through_two_processes_are_answered_with_one_read_per
                     asyncio.create_task(client.get(f"{servers[i % 2].url}/v1/groups/{group.id}/wait?timeoutMs=30000"))
                     for i in range(WAITERS)
                 ]
-                deadline = time.monotonic() + 120
-                while sum(map(parked, servers)) < WAITERS:
+
+                def all_parked() -> bool:
+                    if sum(map(parked, servers)) >= WAITERS:
+                        return True
                     assert not any(w.done() for w in waits), "a wait was answered before the decision"
-                    assert time.monotonic() < deadline, f"{sum(map(parked, servers))} waits parked"
-                    await asyncio.sleep(0.2)
+                    return False
+
+                await until(all_parked, what=f"{WAITERS} waits parked", interval_s=0.2, waits=2)
                 offsets = [s.log_path.stat().st_size for s in servers]
                 notified = await asyncio.to_thread(decide_and_count_notifications, project, group)
                 answers = await asyncio.gather(*waits)
@@ -166,20 +169,13 @@ def asgi_request(path: str, query: str, key: str | None, *, headers: dict | None
     return asyncio.create_task(application(scope, receive, keep)), disconnect, sent
 
 
-async def until(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.01)
-
-
 def test_a_wait_whose_client_goes_away_leaves_no_watch_and_no_subscription(project):
     group = undecided_group(project)
     key = read_key(project)
 
     async def scenario():
         call, disconnect, sent = asgi_request(f"/v1/groups/{group.id}/wait", "timeoutMs=30000", key)
-        await until(lambda: any(w.primed.is_set() for w in watches().values()), "the wait parked")
+        await until(lambda: any(w.primed.is_set() for w in watches().values()), what="the wait parked")
         during = (len(watches()), hub.waiting_on(group.id))
         disconnect.set()
         await asyncio.wait_for(call, 30)
@@ -196,7 +192,7 @@ def test_a_stream_whose_client_goes_away_leaves_no_feed_behind(project):
 
     async def scenario():
         call, disconnect, sent = asgi_request("/v1/events/stream", "", key)
-        await until(lambda: any(m.get("body", b"").startswith(b"retry:") for m in sent), "the stream started")
+        await until(lambda: any(m.get("body", b"").startswith(b"retry:") for m in sent), what="the stream started")
         feed = event_feed()
         during = (feed is not None and len(feed.streams), hub.waiting_on("*"))
         disconnect.set()
@@ -271,7 +267,7 @@ def test_a_slow_reader_is_dropped_and_resumes_with_last_event_id_without_a_gap(p
         slow.wait_started()
         # A fast reader alongside, which must not be slowed or dropped.
         fast = Reader(f"{server.url}{path}", key)
-        assert fast.connected.wait(20) and fast.error is None, fast.error
+        assert fast.connected.wait(WAIT_S) and fast.error is None, fast.error
         total = 3000
         for start in range(0, total, 100):
             with transaction.atomic():
@@ -294,16 +290,18 @@ def test_a_slow_reader_is_dropped_and_resumes_with_last_event_id_without_a_gap(p
         finally:
             fast.close()
         # The slow reader has taken nothing for a while: the server closes its connection.
-        deadline = time.monotonic() + 60
-        while "dropping an event stream" not in server.log():
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.2)
+        try:
+            wait_until(
+                lambda: "dropping an event stream" in server.log(), what="the slow reader dropped", interval_s=0.2
+            )
+        except AssertionError as late:
+            raise AssertionError(f"{late}\n{server.log()}") from None
         first = slow.read_to_end()  # what was already on its way, then the end
         received = [f for f in first if f["event"] == "test.burst"]
         assert 0 < len(received) < total, "the slow reader was never dropped"
         second = Reader(f"{server.url}{path}", key, last_event_id=received[-1]["id"])
         try:
-            assert second.connected.wait(20) and second.error is None, second.error
+            assert second.connected.wait(WAIT_S) and second.error is None, second.error
             received += [second.next()[1] for _ in range(total - len(received))]
         finally:
             second.close()

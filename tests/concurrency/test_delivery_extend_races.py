@@ -20,7 +20,8 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import delivery_extend, message_receive, message_send
 from coordination.services.runs import run_create
-from tests.concurrency.util import GIVE_UP_S, force_order, run_closing, run_in_threads, wait_until
+from tests.concurrency.util import force_order, run_closing, run_in_threads
+from tests.waiting import WAIT_S, wait_until
 
 VISIBILITY_MS = 100
 ROUNDS = 25
@@ -50,13 +51,11 @@ def _one_round(project, mailbox, rng):
 
     def receiver():
         """Receive until the message is handed out again; return that delivery."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            got = message_receive(project_id=project.id, mailbox=mailbox, run_id=run.id, visibility_ms=60_000)
-            if got:
-                return got[0]
-            time.sleep(0.005)
-        raise AssertionError("the message never came back")
+        return wait_until(
+            lambda: message_receive(project_id=project.id, mailbox=mailbox, run_id=run.id, visibility_ms=60_000),
+            what="the message to come back",
+            interval_s=0.005,
+        )[0]
 
     answers, second = run_in_threads([extender, receiver])
     assert second.attempt == 2
@@ -105,7 +104,7 @@ def _received(settings, fast, visibility_ms):
 def test_an_extend_waiting_on_the_re_receive_is_lease_lost(settings, fast):
     """Forced: attempt 1 ran out and a receiver holds the re-taken message; its extend waits, then is refused."""
     project, mailbox, run, first = _received(settings, fast, VISIBILITY_MS)
-    wait_until(lambda: timezone.now() > first.visible_until, "attempt 1's visibility ran out")
+    wait_until(lambda: timezone.now() > first.visible_until, what="attempt 1's visibility ran out", interval_s=0.01)
 
     def re_receive():
         return message_receive(project_id=project.id, mailbox=mailbox, run_id=run.id, visibility_ms=60_000)
@@ -142,7 +141,7 @@ def test_a_receive_past_the_old_expiry_while_the_extend_commits_does_not_take_th
                 project_id=project.id, delivery_id=first.delivery_id, visibility_ms=60_000
             )
             holding.set()
-            assert let_go.wait(GIVE_UP_S)
+            assert let_go.wait(WAIT_S)
 
     def receive():
         return message_receive(project_id=project.id, mailbox=mailbox, run_id=run.id, visibility_ms=60_000)
@@ -150,13 +149,15 @@ def test_a_receive_past_the_old_expiry_while_the_extend_commits_does_not_take_th
     thread = threading.Thread(target=run_closing(extend_and_hold, errors))
     thread.start()
     try:
-        wait_until(lambda: holding.is_set() or errors, "the extend holds the message")
+        wait_until(lambda: holding.is_set() or errors, what="the extend holds the message", interval_s=0.01)
         assert not errors, errors  # the extend landed (attempt 1 was still current)
-        wait_until(lambda: timezone.now() > first.visible_until, "attempt 1's old visibility ran out")
+        wait_until(
+            lambda: timezone.now() > first.visible_until, what="attempt 1's old visibility ran out", interval_s=0.01
+        )
         assert receive() == []  # the old visibility is past, but the row is the extend's
     finally:
         let_go.set()
-        thread.join(GIVE_UP_S)
+        thread.join(WAIT_S)
     assert not thread.is_alive() and errors == []
     assert receive() == []  # hidden until the extended time
     stored = Message.objects.get(id=first.message.id)

@@ -20,15 +20,8 @@ from coordination.services.groups import group_create, group_join, group_submit
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_cancel, task_submit
 from tests.concurrency.test_group_races import audit, world  # noqa: F401 - the fixture
-from tests.concurrency.util import (
-    GIVE_UP_S,
-    backend_pid,
-    rounds,
-    run_closing,
-    run_in_threads,
-    wait_until,
-    waiting_on_a_lock,
-)
+from tests.concurrency.util import backend_pid, rounds, run_closing, run_in_threads, waiting_on_a_lock
+from tests.waiting import WAIT_S, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -67,7 +60,7 @@ def test_a_join_in_the_cascades_window_waits_for_the_cancel_and_decides_the_grou
         with transaction.atomic():
             Task.objects.select_for_update().get(id=held.id)
             holding.set()
-            assert release.wait(GIVE_UP_S), "the test never released the task"
+            assert release.wait(WAIT_S), "the test never released the task"
 
     def cancel():
         pids["cancel"] = backend_pid()
@@ -80,20 +73,25 @@ def test_a_join_in_the_cascades_window_waits_for_the_cancel_and_decides_the_grou
     threads = [threading.Thread(target=run_closing(target, errors)) for target in (hold_the_lower_task, cancel, join)]
     try:
         threads[0].start()
-        wait_until(lambda: holding.is_set() or errors, "the lower task is held")
+        wait_until(lambda: holding.is_set() or errors, what="the lower task is held", interval_s=0.01)
         threads[1].start()
-        wait_until(lambda: errors or ("cancel" in pids and waiting_on_a_lock(pids["cancel"])), "the cascade waits")
+        wait_until(
+            lambda: errors or ("cancel" in pids and waiting_on_a_lock(pids["cancel"])),
+            what="the cascade waits",
+            interval_s=0.01,
+        )
         threads[2].start()
         wait_until(
             lambda: errors or "join" in done or ("join" in pids and waiting_on_a_lock(pids["join"])),
-            "the join commits or waits",
+            what="the join commits or waits",
+            interval_s=0.01,
         )
         joined_in_the_window = "join" in done
     finally:
         release.set()
         for thread in threads:
             if thread.ident is not None:
-                thread.join(GIVE_UP_S)
+                thread.join(WAIT_S)
     assert not any(thread.is_alive() for thread in threads), "a side did not finish in time"
     assert not errors, errors
     assert not joined_in_the_window, "the join committed while the cancel's cascade was under way"

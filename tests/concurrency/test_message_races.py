@@ -18,7 +18,8 @@ from coordination.services.messages import (
 )
 from coordination.services.runs import run_cancel, run_create
 from coordination.states import MessageState
-from tests.concurrency.util import GIVE_UP_S, force_order, run_closing, run_in_threads, wait_until
+from tests.concurrency.util import force_order, run_closing, run_in_threads
+from tests.waiting import WAIT_S, wait_until
 
 MESSAGES = 300
 RECEIVERS = 16
@@ -151,17 +152,17 @@ def test_a_receiver_skips_a_message_another_holds_and_takes_the_next_without_wai
         with transaction.atomic():
             taken["first"] = message_receive(project_id=project.id, mailbox=mailbox, run_id=run.id)
             holding.set()
-            assert let_go.wait(GIVE_UP_S)
+            assert let_go.wait(WAIT_S)
 
     thread = threading.Thread(target=run_closing(first_receiver, errors))
     thread.start()
     try:
-        wait_until(lambda: holding.is_set() or errors, "the first receiver holds its message")
+        wait_until(lambda: holding.is_set() or errors, what="the first receiver holds its message", interval_s=0.01)
         assert not errors, errors
         second = message_receive(project_id=project.id, mailbox=mailbox, run_id=run.id)
         assert not let_go.is_set() and thread.is_alive()  # taken while the first still held its row
     finally:
         let_go.set()
-        thread.join(GIVE_UP_S)
+        thread.join(WAIT_S)
     assert not thread.is_alive() and errors == []
     assert sorted([taken["first"][0].message.id, second[0].message.id]) == sorted(sent)

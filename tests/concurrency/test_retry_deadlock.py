@@ -14,7 +14,8 @@ from coordination.models import Run
 from coordination.services.keys import project_ensure
 from coordination.services.retry import deadlocked, retrying
 from coordination.services.runs import run_create
-from tests.concurrency.util import GIVE_UP_S, run_closing
+from tests.concurrency.util import run_closing
+from tests.waiting import WAIT_S
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -45,7 +46,7 @@ class Deadlocker:
         _lock(self.a)
         if self.attempts == 1:
             self.service_holds_a.set()
-            assert self.other_holds_b.wait(GIVE_UP_S)
+            assert self.other_holds_b.wait(WAIT_S)
         _lock(self.b)
         return self.attempts
 
@@ -54,7 +55,7 @@ class Deadlocker:
             _deadlock_timeout("30s")
             _lock(self.b)
             self.other_holds_b.set()
-            assert self.service_holds_a.wait(GIVE_UP_S)
+            assert self.service_holds_a.wait(WAIT_S)
             _lock(self.a)  # the cycle: the service, waiting for B, is aborted and lets go of A
 
     def race(self, service) -> tuple[dict, list]:
@@ -66,7 +67,7 @@ class Deadlocker:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(GIVE_UP_S)
+            thread.join(WAIT_S)
         assert not any(thread.is_alive() for thread in threads), "a side did not finish in time"
         return results, errors
 

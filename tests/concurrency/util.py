@@ -9,8 +9,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from coordination import exceptions
-
-GIVE_UP_S = 60
+from tests.waiting import WAIT_S, wait_until
 
 
 def rounds(*, postgresql: int, sqlite: int) -> int:
@@ -69,7 +68,7 @@ def race_a_cancel(cancel: Callable[[], object], create: Callable[[], object], *,
 
     def creator():
         attempts = []  # (started, granted)
-        give_up = time.monotonic() + 60
+        give_up = time.monotonic() + WAIT_S
         while time.monotonic() < give_up:
             started = time.monotonic()
             try:
@@ -80,7 +79,7 @@ def race_a_cancel(cancel: Callable[[], object], create: Callable[[], object], *,
                 break
         return attempts
 
-    results = run_in_threads([cancel_soon] + [creator] * creators, timeout=90)
+    results = run_in_threads([cancel_soon] + [creator] * creators, timeout=WAIT_S + 30)  # the creators give up first
     attempts = [attempt for per_thread in results[1:] for attempt in per_thread]
     assert [started for started, granted in attempts if granted and started > cancelled_at[0]] == []
     assert all(per_thread and not per_thread[-1][1] for per_thread in results[1:])
@@ -102,14 +101,6 @@ def backend_pid() -> int | str:
     with connection.cursor() as cursor:
         cursor.execute("SELECT set_config('application_name', %s, false)", [name])
     return name
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` every 10 ms; fail naming ``what`` if it is still false after ``GIVE_UP_S``."""
-    give_up = time.monotonic() + GIVE_UP_S
-    while not condition():
-        assert time.monotonic() < give_up, f"gave up waiting until {what}"
-        time.sleep(0.01)
 
 
 def waiting_on_a_lock(pid: int | str) -> bool:
@@ -160,7 +151,7 @@ def force_order(first: Callable[[], object], second: Callable[[], object]) -> tu
         with transaction.atomic():
             results["first"] = first()
             holding.set()
-            assert second_held_up.wait(GIVE_UP_S), "the second side never contended"
+            assert second_held_up.wait(WAIT_S), "the second side never contended"
 
     def flag_begin(execute, sql, params, many, context):
         if sql.lstrip().upper().startswith("BEGIN"):
@@ -181,13 +172,14 @@ def force_order(first: Callable[[], object], second: Callable[[], object]) -> tu
     threads = [threading.Thread(target=run_closing(target, errors)) for target in (run_first, run_second)]
     try:
         threads[0].start()
-        wait_until(lambda: holding.is_set() or errors, "the first side holds its locks")
+        wait_until(lambda: holding.is_set() or errors, what="the first side holds its locks", interval_s=0.01)
         assert not errors, errors
         threads[1].start()
         if postgres:
             wait_until(
                 lambda: "second" in results or errors or ("second" in pids and waiting_on_a_lock(pids["second"])),
-                "the second side waits on a lock",
+                what="the second side waits on a lock",
+                interval_s=0.01,
             )
             assert "second" not in results, "the second side finished without waiting for the first"
             assert not errors, errors
@@ -196,7 +188,7 @@ def force_order(first: Callable[[], object], second: Callable[[], object]) -> tu
         second_held_up.set()
         for thread in threads:
             if thread.ident is not None:  # started
-                thread.join(GIVE_UP_S)
+                thread.join(WAIT_S)
     assert not any(thread.is_alive() for thread in threads), "a side did not finish in time"
     if errors:
         raise errors[0]
