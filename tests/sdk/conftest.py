@@ -6,8 +6,8 @@ database. Keys are created in the test process (committed: the tests are transac
 handed to the SDK through ``RUNSTATE_URL`` / ``RUNSTATE_API_KEY``, as a user would.
 """
 
+import contextlib
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from django.db import connection
 
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from tests.operator.live import uvicorn_server
+from tests.waiting import wait_until
 from tests.workers.live import test_database_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,12 +48,13 @@ class Credentials:
     project_id: object
 
 
-def wait_for_quiet_server(timeout_s: float = 5.0) -> None:
+def wait_for_quiet_server() -> None:
     """Wait until no other connection to the test database is inside a statement or transaction.
 
     A worker stopped mid long-poll abandons its request; the server cancels the view, but a
     read already running in a thread finishes first. Letting it end keeps the flush that
-    follows each transactional test from contending with it for locks.
+    follows each transactional test from contending with it for locks. A server still busy
+    after ``WAIT_S`` fails nothing: the flush then goes ahead and waits for its locks.
     """
     query = (
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
@@ -60,13 +62,14 @@ def wait_for_quiet_server(timeout_s: float = 5.0) -> None:
     )
     if connection.vendor != "postgresql":  # SQLite has no pg_stat_activity (and one writer at a time)
         return
-    deadline = time.monotonic() + timeout_s
     with connection.cursor() as cursor:
-        while time.monotonic() < deadline:
+
+        def quiet() -> bool:
             cursor.execute(query)
-            if cursor.fetchone()[0] == 0:
-                return
-            time.sleep(0.05)
+            return cursor.fetchone()[0] == 0
+
+        with contextlib.suppress(AssertionError):
+            wait_until(quiet, what="the other sessions of the test database to go quiet")
 
 
 @pytest.fixture

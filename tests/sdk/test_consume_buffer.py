@@ -10,7 +10,6 @@ unreachable (a size of 10,000, a delay of an hour).
 import asyncio
 import logging
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -21,7 +20,8 @@ from coordination.models import Task
 from coordination.services.sweeps import tasks_settle_expired_leases
 from runstate import AsyncRunstate, Runstate
 from tests.sdk.test_batches import CountingAsyncTransport
-from tests.sdk.test_worker import consumer_process, kill_after, prepare, until
+from tests.sdk.test_worker import consumer_process, kill_after, prepare
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -187,14 +187,13 @@ def test_the_sync_worker_reports_a_lost_buffered_completion_like_an_unbatched_on
             thread = threading.Thread(target=worker.run)
             thread.start()
             try:
-                deadline = time.monotonic() + 30
-                while len(started) < 3 and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                wait_until(lambda: len(started) >= 3, what="three handlers to start", interval_s=0.01)
                 assert len(started) == 3
                 steal(tickets[0].id)
                 go.set()
-                while worker.summary.completed + worker.summary.lost < 3 and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                wait_until(
+                    lambda: worker.summary.completed + worker.summary.lost >= 3, what="every record", interval_s=0.01
+                )
             finally:
                 go.set()
                 worker.stop()

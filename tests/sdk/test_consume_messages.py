@@ -16,18 +16,11 @@ from coordination.models import Event, Message
 from coordination.services.messages import delivery_retry
 from runstate import AsyncRunstate, Reject, Runstate
 from tests.sdk.conftest import ROOT
+from tests.waiting import WAIT_S, until, wait_until
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
 VISIBILITY_MS = 600  # extends every 0.2 s
-
-
-async def until(predicate, *, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def queue_with(rs, mailbox, bodies):
@@ -224,7 +217,7 @@ def test_cancelling_the_run_mid_handler_loses_the_delivery_and_stops_the_loop(sd
         message = run.messages.send("doomed", {"job": 1})
 
     def cancel_once_started():
-        assert started.wait(20)
+        assert started.wait(WAIT_S)
         with Runstate() as rs:
             rs.scope(run.id).cancel(reason="stop everything")
 
@@ -244,7 +237,7 @@ def test_cancelling_the_run_mid_handler_loses_the_delivery_and_stops_the_loop(sd
             summary = rs.scope(run.id).consume_messages(
                 "doomed", sync_handler, visibility_ms=VISIBILITY_MS, handle_signals=False
             )
-    canceller.join(20)
+    canceller.join(WAIT_S)
 
     ctx = seen["ctx"]
     assert summary.stop_reason == "SCOPE_CANCELLED"
@@ -277,22 +270,21 @@ def test_the_sync_client_runs_handlers_in_threads(sdk):
             return ctx.body["n"]
 
         worker = run.message_worker("threads", handler, concurrency=3, receive_wait_ms=200, handle_signals=False)
-        stopper = threading.Thread(
-            target=lambda: (_wait_for(lambda: worker.summary.completed >= 6), worker.stop()), daemon=True
-        )
+
+        def stop_after_six():
+            try:
+                wait_until(lambda: worker.summary.completed >= 6, what="six completions", interval_s=0.01)
+            finally:
+                worker.stop()
+
+        stopper = threading.Thread(target=stop_after_six, daemon=True)
         stopper.start()
         summary = worker.run()
-        stopper.join(30)
+        stopper.join(WAIT_S)
 
     assert summary.completed == 6 and summary.stop_reason == "stopped"
     assert threads == {"runstate-handler"}
     assert set(Message.objects.filter(id__in=[m["id"] for m in sent]).values_list("state", flat=True)) == {"COMPLETED"}
-
-
-def _wait_for(predicate, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 # SIGTERM, in a process of its own ------------------------------------------------------------

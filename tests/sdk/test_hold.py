@@ -13,6 +13,7 @@ import pytest
 from coordination.models import Task
 from coordination.services.sweeps import tasks_settle_expired_leases
 from runstate import AsyncRunstate, CancellationRequested, LeaseLostError, Runstate
+from tests.waiting import WAIT_S, until
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -103,7 +104,7 @@ def test_a_lost_lease_sets_the_signal_and_the_refused_complete_is_raised(sdk, cl
                     async with claim.hold() as ctx:
                         await ticket.cancel(reason="too slow", grace_ms=100)
                         assert await ctx.wait_cancelled(10)
-                        await until_async(lambda: ctx.stop_reason == "lease_lost")
+                        await until(lambda: ctx.stop_reason == "lease_lost", what="the lease lost", interval_s=0.02)
                         ctx.complete({"late": True})
                 return ctx
 
@@ -118,7 +119,7 @@ def test_a_lost_lease_sets_the_signal_and_the_refused_complete_is_raised(sdk, cl
             with pytest.raises(LeaseLostError):
                 with claim.hold() as ctx:
                     ticket.cancel(reason="too slow", grace_ms=100)
-                    deadline = time.monotonic() + 10
+                    deadline = time.monotonic() + WAIT_S
                     while ctx.stop_reason != "lease_lost" and time.monotonic() < deadline:
                         ctx.wait_cancelled(0.05)
                     assert ctx.stop_reason == "lease_lost"
@@ -127,13 +128,6 @@ def test_a_lost_lease_sets_the_signal_and_the_refused_complete_is_raised(sdk, cl
     tasks_settle_expired_leases()
     task = Task.objects.get(id=task_id)
     assert task.state == "CANCELLED" and task.outcome is None  # the late value was not recorded
-
-
-async def until_async(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("client", ["async", "sync"])
@@ -340,7 +334,7 @@ def test_an_abort_that_escapes_the_handler_acknowledges_the_cancellation(sdk):
             ticket = await run.tasks.submit("escape", {})
             worker = run.worker("escape", handler, handle_signals=False)
             running = asyncio.create_task(worker.run())
-            await until_async(lambda: started)  # running, so the cancel is cooperative
+            await until(lambda: started, what="the handler to start", interval_s=0.02)  # so the cancel is cooperative
             await ticket.cancel(reason="stop")
             task = await ticket.result(timeout_ms=20_000)
             worker.stop()
@@ -435,7 +429,7 @@ def test_a_consumer_whose_run_is_cancelled_inside_cancel_on_request_records_noth
             await run.tasks.submit("abort-refused", {})
             worker = run.worker("abort-refused", handler, handle_signals=False)
             running = asyncio.create_task(worker.run())
-            await until_async(lambda: started)
+            await until(lambda: started, what="the handler to start", interval_s=0.02)
             await run.cancel(reason="stop all")
             return await asyncio.wait_for(running, 30)
 

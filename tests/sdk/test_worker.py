@@ -15,6 +15,7 @@ from coordination.models import Task
 from coordination.services.sweeps import tasks_settle_expired_leases
 from runstate import AsyncRunstate, Runstate
 from tests.sdk.conftest import ROOT
+from tests.waiting import WAIT_S, until
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -22,14 +23,6 @@ LEASE_TTL_MS = 1500  # renewals every 0.5 s
 RENEW_INTERVAL_S = LEASE_TTL_MS / 3 / 1000
 # Room for a renewal's round trip and scheduling on a busy machine, on top of the interval.
 LATENCY_MARGIN_S = 0.5
-
-
-async def until(predicate, *, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def test_three_consumers_drain_300_tasks_exactly_once(sdk):
@@ -53,7 +46,7 @@ def test_three_consumers_drain_300_tasks_exactly_once(sdk):
 
                 workers.append(client.scope(run.id).worker("drain", handler, concurrency=4, handle_signals=False))
             running = [asyncio.create_task(worker.run()) for worker in workers]
-            await until(lambda: sum(w.summary.completed for w in workers) >= 300, timeout_s=120, what="300 tasks")
+            await until(lambda: sum(w.summary.completed for w in workers) >= 300, waits=2, what="300 tasks")
             for worker in workers:
                 worker.stop()
             summaries = await asyncio.gather(*running)
@@ -93,7 +86,7 @@ def cancel_scenario(handler_body):
 
             worker = run.worker("coop", handler, handle_signals=False)
             running = asyncio.create_task(worker.run())
-            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.wait_for(started.wait(), WAIT_S)
             await asyncio.sleep(0.3)  # somewhere in the middle of a renewal interval
             await ticket.cancel(reason="enough")
             seen["cancelled_at"] = time.monotonic()  # the request is recorded: the next renewal sees it
@@ -189,7 +182,7 @@ def test_a_consumer_whose_run_is_cancelled_stops_and_its_handler_is_cancelled(sd
                     raise
 
             consume = asyncio.create_task(run.consume("doomed", handler, concurrency=concurrency, handle_signals=False))
-            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.wait_for(started.wait(), WAIT_S)
             await rs.scope(run.id).cancel(reason="stop everything")
             summary = await asyncio.wait_for(consume, timeout=10)
             return summary, await ticket.status()
@@ -226,10 +219,10 @@ def test_a_handler_that_outlives_the_cancel_grace_loses_its_claim_and_is_cancell
 
             worker = run.worker("graceful", handler, handle_signals=False)
             running = asyncio.create_task(worker.run())
-            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.wait_for(started.wait(), WAIT_S)
             await ticket.cancel(reason="too slow", grace_ms=200)
             cancelled_at = time.monotonic()
-            await until(lambda: "cancelled_at" in seen, timeout_s=10, what="the handler to be cancelled")
+            await until(lambda: "cancelled_at" in seen, what="the handler to be cancelled")
             worker.stop()
             return await running, await ticket.status(), seen["cancelled_at"] - cancelled_at
 
