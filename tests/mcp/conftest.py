@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from tests.processes import free_port
 from tests.sdk.conftest import make_key, sdk, sdk_server  # noqa: F401 - fixtures
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,16 +75,18 @@ def mcp_http(sdk_server):  # noqa: F811
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError("runstate mcp --http did not start") from None
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("runstate mcp --http did not start") from None
-                time.sleep(0.1)
+        wait_until(listening, what="runstate mcp --http to listen", interval_s=0.1)
         yield f"http://127.0.0.1:{port}/mcp"
     finally:
         process.terminate()

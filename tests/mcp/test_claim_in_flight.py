@@ -22,10 +22,10 @@ from django.db import connection
 from coordination.models import Event, Task
 from runstate import Runstate
 from tests.mcp.conftest import call, free_port, stdio_session
+from tests.waiting import WAIT_S, until, wait_until
 
 LONG_LEASE_MS = 600_000  # ten minutes: a task seen QUEUED again was released, not taken over
 CLAIMS_PATH = "/claims"
-SETTLE_S = 60.0  # how long the checks below wait for the server's releases (never reached when it works)
 
 
 class HoldingProxy:
@@ -53,10 +53,7 @@ class HoldingProxy:
 
     def __enter__(self) -> "HoldingProxy":
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the proxy did not start"
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, what="the proxy to start", interval_s=0.02)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -130,13 +127,16 @@ def claim_events(run_id: str) -> tuple[list[dict], list[dict]]:
 
 async def settled(run_id: str, check) -> None:
     """Wait until ``check(rows)`` holds for the run's tasks (the server releases in the background)."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        rows = await asyncio.to_thread(task_rows, run_id)
-        if check(rows):
-            return
-        assert time.monotonic() < deadline, rows
-        await asyncio.sleep(0.1)
+    seen = {}
+
+    async def holds() -> bool:
+        seen["rows"] = await asyncio.to_thread(task_rows, run_id)
+        return check(seen["rows"])
+
+    try:
+        await until(holds, what="the server's releases", interval_s=0.1)
+    except AssertionError as late:
+        raise AssertionError(f"{late}: {seen['rows']}") from None
 
 
 def setup_run(tasks: int) -> tuple[str, str, list[str]]:
@@ -268,7 +268,7 @@ def test_the_race_of_a_cancel_with_a_claim_in_flight_leaks_no_claim(sdk):
                 # Settled: every claim the proxy saw committed is in the log and released, twice in a
                 # row a second apart (a cancelled call's request may still be on its way to the proxy,
                 # on a loaded machine for a while).
-                deadline, settled_since = time.monotonic() + SETTLE_S, None
+                deadline, settled_since = time.monotonic() + WAIT_S, None
                 while True:
                     committed = sorted(proxy.committed)
                     claimed, released = await asyncio.to_thread(claim_events, run_id)
