@@ -7,7 +7,6 @@ free ``PORT``, a private ``RUNSTATE_VAR_DIR``, and on PostgreSQL the suite's Red
 
 import os
 import subprocess
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +15,13 @@ from django.conf import settings
 
 from tests.operator.live import ROOT, database_env
 from tests.processes import free_port, stop_process_groups
+from tests.waiting import WAIT_S, wait_until
 
 README = ROOT / "README.md"
-# Bounded waits, not measures.
-START_S = 120
-SWARM_S = 240
+# Bounded waits, not measures, in WAIT_S (tests/waiting.py): scripts/start checks the virtualenv,
+# migrates and starts three processes before its banner; an example runs a whole swarm.
+START_WAITS = 2
+SWARM_WAITS = 4
 
 
 def readme_commands() -> str:
@@ -87,22 +88,32 @@ def started(command: str, tmp_path: Path):
     env = person_env(var_dir, PORT=str(port), MCP_PORT=str(free_port()), WEB_CONCURRENCY="1")
     output = tmp_path / "start.out"
     service = Service(f"http://127.0.0.1:{port}", var_dir, output, shell(command, env, output))
+
+    def banner() -> bool:
+        return "Press Ctrl-C to stop." in output.read_text(errors="replace")
+
     try:
-        deadline = time.monotonic() + START_S
-        while "Press Ctrl-C to stop." not in output.read_text(errors="replace"):
-            assert service.process.poll() is None, f"{command} exited:\n{service.log()}"
-            assert time.monotonic() < deadline, f"{command} did not come up within {START_S} s:\n{service.log()}"
-            time.sleep(0.2)
+        try:
+            wait_until(
+                lambda: banner() or service.process.poll() is not None,
+                what=f"{command} to come up",
+                interval_s=0.2,
+                waits=START_WAITS,
+            )
+        except AssertionError as late:
+            raise AssertionError(f"{late}:\n{service.log()}") from None
+        assert banner(), f"{command} exited:\n{service.log()}"
         yield service
     finally:
         stop_process_groups([service.process], grace_s=30)
 
 
-def finish(process: subprocess.Popen, output: Path, timeout_s: float = SWARM_S) -> str:
-    """Wait for ``process`` and return what it printed."""
+def finish(process: subprocess.Popen, output: Path, *, waits: float = SWARM_WAITS) -> str:
+    """Wait for ``process`` (``waits`` x ``WAIT_S`` at most: an example's run by default) and return what it printed."""
+    timeout_s = waits * WAIT_S
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:
         stop_process_groups([process], grace_s=5)
-        raise AssertionError(f"still running after {timeout_s} s:\n{output.read_text(errors='replace')}") from None
+        raise AssertionError(f"still running after {timeout_s:g} s:\n{output.read_text(errors='replace')}") from None
     return output.read_text(errors="replace")

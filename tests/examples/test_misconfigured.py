@@ -19,7 +19,7 @@ def test_examples_explain_a_service_they_cannot_use_and_cancel_their_run(tmp_pat
     with started("scripts/start --no-worker", tmp_path) as service:
         output = tmp_path / "celery.out"
         reviewer = shell(CELERY_REVIEW, service.env(), output)
-        printed = finish(reviewer, output, timeout_s=60)
+        printed = finish(reviewer, output, waits=1)
         assert reviewer.returncode == 2, printed
         assert "RUNSTATE_TASK_MODULES=examples.review_swarm.tasks scripts/start" in printed
         (run,) = Run.objects.filter(name="review swarm")
@@ -29,7 +29,7 @@ def test_examples_explain_a_service_they_cannot_use_and_cancel_their_run(tmp_pat
 
         output = tmp_path / "workers.out"
         reviewer = shell(f"{WORKERS_REVIEW} --start-timeout 2", service.env(), output)
-        printed = finish(reviewer, output, timeout_s=60)
+        printed = finish(reviewer, output, waits=1)
         assert reviewer.returncode == 2, printed
         assert "No draft started within 2 s: no worker on run" in printed
         (run,) = Run.objects.filter(name="review swarm (runstate worker)")

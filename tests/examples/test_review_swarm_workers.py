@@ -9,14 +9,14 @@ decision cancels the group's run.
 """
 
 import re
-import time
 
 import pytest
 
 from coordination.models import Run, TaskGroup
-from tests.examples.live import SWARM_S, finish, readme_commands, shell, started
+from tests.examples.live import SWARM_WAITS, finish, readme_commands, shell, started
 from tests.operator.live import ROOT
 from tests.processes import stop_process_groups
+from tests.waiting import wait_until
 
 START = "scripts/start --no-worker"
 REVIEW = ".venv/bin/python -m examples.review_swarm_workers"
@@ -38,15 +38,23 @@ def test_readmes_run_these_commands():
 
 def wait_for_run_id(output, reviewer) -> str:
     """Return the group's run id once the reviewer prints the line to export."""
-    deadline = time.monotonic() + SWARM_S
-    while True:
-        printed = output.read_text(errors="replace")
-        found = re.search(r"export RUNSTATE_SCOPE_ID=(\S+)", printed)
-        if found:
-            return found.group(1)
-        assert reviewer.poll() is None, printed
-        assert time.monotonic() < deadline, printed
-        time.sleep(0.1)
+
+    def run_id() -> str | None:
+        found = re.search(r"export RUNSTATE_SCOPE_ID=(\S+)", output.read_text(errors="replace"))
+        return found.group(1) if found else None
+
+    try:
+        wait_until(
+            lambda: run_id() or reviewer.poll() is not None,
+            what="the reviewer to print its run id",
+            interval_s=0.1,
+            waits=SWARM_WAITS,
+        )
+    except AssertionError as late:
+        raise AssertionError(f"{late}:\n{output.read_text(errors='replace')}") from None
+    found = run_id()
+    assert found, output.read_text(errors="replace")  # the reviewer exited without one
+    return found
 
 
 def test_review_swarm_runstate_workers_draft_and_exit_once_the_group_decides(tmp_path):
@@ -63,7 +71,7 @@ def test_review_swarm_runstate_workers_draft_and_exit_once_the_group_decides(tmp
             printed = finish(reviewer, output)
             assert reviewer.returncode == 0, printed + service.log()
             # The decision cancelled the group's run: each worker is refused and stops by itself.
-            worker_logs = [finish(worker, log, timeout_s=60) for worker, log in zip(workers, logs, strict=True)]
+            worker_logs = [finish(worker, log, waits=1) for worker, log in zip(workers, logs, strict=True)]
         finally:
             stop_process_groups(workers, grace_s=10)
         assert [worker.returncode for worker in workers] == [0] * WORKERS, worker_logs

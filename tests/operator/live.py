@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 from django.db import connection
 
+from tests import waiting
 from tests.processes import free_port, stop_process_groups
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,19 +95,20 @@ def _serve(name: str, arguments, log_dir: Path, env: dict[str, str]):
             start_new_session=True,
         )
     server = Server(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited ({process.returncode}):\n{server.log()}")
+        try:
+            return httpx.get(f"{server.url}/v1/healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited ({process.returncode}):\n{server.log()}")
-            try:
-                if httpx.get(f"{server.url}/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not answer within 60 s:\n{server.log()}")
-            time.sleep(0.1)
+        try:
+            wait_until(healthy, what=f"{name} to answer /v1/healthz", interval_s=0.1)
+        except AssertionError as late:
+            raise RuntimeError(f"{late}:\n{server.log()}") from None
         yield server
     finally:
         stop_process_groups([process], grace_s=15)
@@ -179,7 +182,9 @@ class Reader:
         finally:
             self.connected.set()
 
-    def next(self, timeout_s: float = 30.0) -> tuple[float, dict]:
+    def next(self, timeout_s: float | None = None) -> tuple[float, dict]:
+        """The next frame and when it arrived; wait ``WAIT_S`` for it, or ``timeout_s`` to check none comes."""
+        timeout_s = waiting.WAIT_S if timeout_s is None else timeout_s
         try:
             return self.frames.get(timeout=timeout_s)
         except queue.Empty:

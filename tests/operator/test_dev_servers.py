@@ -16,13 +16,12 @@ from django.contrib.auth.models import User
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create
 from coordination.services.runs import run_create
 from tests.operator.live import Reader, runserver, uvicorn_server
+from tests.waiting import WAIT_S
 
 # The servers read the test database through their own connections: the data must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SERVERS = {"runserver": runserver, "uvicorn": uvicorn_server}
-# A bounded wait, not a measure: a frame that has not come by then never will.
-WAIT_S = 30
 
 
 @pytest.fixture(params=list(SERVERS))
@@ -53,7 +52,7 @@ def test_the_event_stream_sends_each_event_as_it_commits(project, server):
             f"{server.url}/v1/runs", json={"name": "live"}, headers={"Authorization": f"Bearer {key}"}, timeout=10
         )
         assert created.status_code == 201, created.text
-        _, frame = reader.next(timeout_s=WAIT_S)
+        _, frame = reader.next()
         assert (frame["event"], frame["data"]["subjectId"]) == ("run.created", created.json()["id"])
     finally:
         reader.close()
@@ -72,7 +71,7 @@ def test_the_dashboard_live_feed_sends_each_event_as_it_commits(project, server)
         assert reader.connected.wait(WAIT_S), f"no byte of the stream within {WAIT_S} s:\n{server.log()}"
         assert reader.error is None, (reader.error, server.log())
         run = run_create(project_id=project.id, name="live")
-        _, frame = reader.next(timeout_s=WAIT_S)
+        _, frame = reader.next()
         assert frame["event"] == "runstate"
         assert (frame["data"]["type"], frame["data"]["subjectId"]) == ("run.created", str(run.id))
     finally:

@@ -22,6 +22,7 @@ from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.runs import run_cancel, run_create
 from coordination.states import Permission
 from tests.operator.live import Reader, parse_frame, uvicorn_server
+from tests.waiting import WAIT_S
 
 # The stream reads through other connections: the data must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -37,11 +38,11 @@ class Frames:
         self.buffer = b""
         self.comments: list[str] = []
 
-    async def next(self, timeout_s: float = 30.0) -> dict:
+    async def next(self) -> dict:
         """Return the next frame with an event as {id, event, data}; comments are kept aside."""
         while True:
             while b"\n\n" not in self.buffer:
-                self.buffer += await asyncio.wait_for(anext(self.chunks), timeout_s)
+                self.buffer += await asyncio.wait_for(anext(self.chunks), WAIT_S)
             block, self.buffer = self.buffer.split(b"\n\n", 1)
             frame = parse_frame(block.decode())
             if frame is None:
@@ -51,10 +52,10 @@ class Frames:
                 continue
             return frame
 
-    async def next_comment(self, timeout_s: float = 10.0) -> str:
+    async def next_comment(self) -> str:
         while not self.comments:
             while b"\n\n" not in self.buffer:
-                self.buffer += await asyncio.wait_for(anext(self.chunks), timeout_s)
+                self.buffer += await asyncio.wait_for(anext(self.chunks), WAIT_S)
             block, self.buffer = self.buffer.split(b"\n\n", 1)
             frame = parse_frame(block.decode())
             if frame is not None and "comment" in frame:
@@ -149,7 +150,7 @@ def test_a_quiet_stream_sends_keepalive_comments(project):
         with override_settings(RUNSTATE_SSE_HEARTBEAT_S=0.2):
             frames = await open_stream(key)
             try:
-                return await frames.next_comment(timeout_s=5)
+                return await frames.next_comment()
             finally:
                 await frames.close()
 
@@ -240,7 +241,7 @@ def test_a_reader_receives_group_finalized_after_the_commit(project, server):
     reader = Reader(f"{server.url}{STREAM}?types=group.finalized", key)
     latencies_ms = []
     try:
-        assert reader.connected.wait(20) and reader.error is None, (reader.error, server.log())
+        assert reader.connected.wait(WAIT_S) and reader.error is None, (reader.error, server.log())
         for n in range(5):
             group = group_create(project_id=project.id, mailbox_name="jobs", condition="ALL_TERMINAL", name=f"g{n}")
             # Closing an empty ALL_TERMINAL group decides it: FAILURE (all_terminal), committed on return.
@@ -269,7 +270,7 @@ def test_a_reader_resumes_after_a_disconnect_with_no_gap_and_no_repeat(project, 
 
     first = Reader(url, key)
     try:
-        assert first.connected.wait(20) and first.error is None, first.error
+        assert first.connected.wait(WAIT_S) and first.error is None, first.error
         before = [run_create(project_id=project.id, parent_id=root.id, name=f"a{n}") for n in range(5)]
         seen = [first.next()[1] for _ in before]
     finally:
@@ -278,7 +279,7 @@ def test_a_reader_resumes_after_a_disconnect_with_no_gap_and_no_repeat(project, 
     during = [run_create(project_id=project.id, parent_id=root.id, name=f"b{n}") for n in range(5)]
     second = Reader(url, key, last_event_id=seen[-1]["id"])
     try:
-        assert second.connected.wait(20) and second.error is None, second.error
+        assert second.connected.wait(WAIT_S) and second.error is None, second.error
         after = [run_create(project_id=project.id, parent_id=root.id, name=f"c{n}") for n in range(5)]
         seen += [second.next()[1] for _ in during + after]
         with pytest.raises(AssertionError):

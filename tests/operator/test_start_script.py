@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,13 +16,14 @@ import pytest
 
 from tests.operator.live import ROOT, database_env
 from tests.processes import free_port, stop_process_groups
+from tests.waiting import WAIT_S, wait_until
 
 # The script's processes read the test database through their own connections.
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# Bounded waits, not measures.
-START_S = 120
-STOP_S = 60
+# Bounded waits, not measures: the script checks the virtualenv, migrates and starts its
+# processes before its banner, more than one state's wait.
+START_WAITS = 2
 
 
 def children(pid: int) -> list[int]:
@@ -96,14 +96,22 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
             text += "\n--- api.log ---\n" + api_log.read_text(errors="replace")[-3000:]
         return text
 
+    def banner() -> bool:
+        return "Press Ctrl-C to stop." in output.read_text(errors="replace")
+
     seen: list[int] = []
     try:
         # The script prints its banner once /v1/healthz answers.
-        deadline = time.monotonic() + START_S
-        while "Press Ctrl-C to stop." not in output.read_text(errors="replace"):
-            assert script.poll() is None, f"scripts/start exited ({script.returncode}):\n{log()}"
-            assert time.monotonic() < deadline, f"scripts/start did not come up within {START_S} s:\n{log()}"
-            time.sleep(0.2)
+        try:
+            wait_until(
+                lambda: banner() or script.poll() is not None,
+                what="scripts/start to come up",
+                interval_s=0.2,
+                waits=START_WAITS,
+            )
+        except AssertionError as late:
+            raise AssertionError(f"{late}:\n{log()}") from None
+        assert banner(), f"scripts/start exited ({script.returncode}):\n{log()}"
         assert httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=10).json() == {"status": "ok"}
         assert "DEBUG=1 (development" in output.read_text(), "the script says it turned DEBUG on"
 
@@ -112,14 +120,15 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
         # The limits against slow and greedy clients (docs/deploy.md).
         for limit in ("--timeout-keep-alive 5", "--h11-max-incomplete-event-size 16384", "--limit-concurrency 2048"):
             assert limit in command_line(master), command_line(master)
+
         # uvicorn's master starts its workers through multiprocessing (beside a resource tracker).
-        deadline = time.monotonic() + START_S
-        while True:
-            workers = [pid for pid in children(master) if "multiprocessing.spawn" in command_line(pid)]
-            if len(workers) == 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert len(workers) == 2, (workers, log())
+        def workers() -> list[int]:
+            return [pid for pid in children(master) if "multiprocessing.spawn" in command_line(pid)]
+
+        try:
+            wait_until(lambda: len(workers()) == 2, what="uvicorn's two workers", interval_s=0.2, waits=START_WAITS)
+        except AssertionError as late:
+            raise AssertionError(f"{late}: {workers()}\n{log()}") from None
         # The MCP server for agents, printed beside the API key (it refuses a foreign Host).
         assert f"MCP:      http://127.0.0.1:{mcp_port}/mcp" in output.read_text(), log()
         (mcp,) = [pid for pid in children(script.pid) if "runstate.cli mcp --http" in command_line(pid)]
@@ -128,11 +137,11 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
         seen = [master, *children(master), mcp]
 
         script.send_signal(signal.SIGINT)
-        assert script.wait(STOP_S) == 130, log()
-        deadline = time.monotonic() + STOP_S
-        while any(alive(pid) for pid in seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [pid for pid in seen if alive(pid)] == [], log()
+        assert script.wait(WAIT_S) == 130, log()
+        try:
+            wait_until(lambda: not any(alive(pid) for pid in seen), what="every process to stop", interval_s=0.2)
+        except AssertionError as late:
+            raise AssertionError(f"{late}: {[pid for pid in seen if alive(pid)]}\n{log()}") from None
         assert "Stopping api" in output.read_text()
     finally:
         stop_process_groups([script], grace_s=15)
