@@ -17,6 +17,7 @@ from django.db import OperationalError, connection
 from django_celery_beat import schedulers
 from django_celery_beat.models import PeriodicTasks
 
+from tests.waiting import WAIT_S
 from tests.workers import live
 from workers import beat
 from workers.schedule import ensure_periodic_sweeps
@@ -96,9 +97,9 @@ def sent(queue) -> set[str]:
         message.ack()
 
 
-def tick_until_every_second_sweep_is_sent(scheduler, queue, timeout_s: float = 15) -> set[str]:
+def tick_until_every_second_sweep_is_sent(scheduler, queue) -> set[str]:
     names: set[str] = set()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + WAIT_S
     while not EVERY_SECOND <= names:
         assert time.monotonic() < deadline, f"beat sent only {names}"
         delay = scheduler.tick()

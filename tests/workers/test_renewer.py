@@ -18,6 +18,7 @@ from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel
 from coordination.states import TaskState
 from tests.concurrency.util import run_in_threads
+from tests.waiting import wait_until
 from workers import runstate_task
 from workers.runtime import execute, renewer
 
@@ -55,10 +56,7 @@ def handlers():
         runner = threading.Thread(target=lambda: outcome.update(results=run_in_threads(targets)), daemon=True)
         runner.start()
         outcome["runner"] = runner
-        deadline = time.monotonic() + 60
-        while len(contexts) < len(tasks):
-            assert time.monotonic() < deadline, f"only {len(contexts)} of {len(tasks)} handlers started"
-            time.sleep(0.02)
+        wait_until(lambda: len(contexts) >= len(tasks), what=f"{len(tasks)} handlers to start", interval_s=0.02)
         return outcome
 
     yield start
@@ -95,10 +93,12 @@ def test_the_shared_renewer_keeps_50_claims_alive_and_a_lost_claim_stops_only_it
     # Another attempt takes one task over (as after a lease expiry): its claim is lost.
     lost = tasks[7]
     Task.objects.filter(id=lost.id).update(attempts=2, lease_expires_at=timezone.now() + timezone.timedelta(seconds=60))
-    deadline = time.monotonic() + 3 * LEASE_TTL_S
-    while not contexts[lost.id].signal.is_set():
-        assert time.monotonic() < deadline, "the lost claim was never noticed"
-        time.sleep(0.02)
+    wait_until(
+        lambda: contexts[lost.id].signal.is_set(),
+        what="the lost claim to be noticed",
+        interval_s=0.02,
+        limit_s=3 * LEASE_TTL_S,
+    )
     assert contexts[lost.id].lost == "LEASE_LOST"
     assert not contexts[lost.id].is_cancellation_requested()
     time.sleep(LEASE_TTL_S)  # another round of renewals for the others
@@ -125,9 +125,12 @@ def test_a_cancel_request_reaches_the_right_ctx_only(handlers, is_postgres):
     target = tasks[3]
     requested = time.monotonic()
     task_cancel(project_id=hold.project_id, task_id=target.id, reason="not needed")
-    while not contexts[target.id].signal.is_set():
-        assert time.monotonic() - requested < 3 * LEASE_TTL_S, "the cancel request never reached its ctx"
-        time.sleep(0.02)
+    wait_until(
+        lambda: contexts[target.id].signal.is_set(),
+        what="the cancel request to reach its ctx",
+        interval_s=0.02,
+        limit_s=3 * LEASE_TTL_S - (time.monotonic() - requested),
+    )
     assert contexts[target.id].is_cancellation_requested() and not contexts[target.id].lease_lost
     time.sleep(LEASE_TTL_S)  # the others keep renewing and hear nothing
     assert not any(ctx.signal.is_set() for task_id, ctx in contexts.items() if task_id != target.id)
