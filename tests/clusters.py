@@ -101,11 +101,12 @@ class StreamingPair:
         with psycopg.connect(self.primary.url("postgres"), autocommit=True) as conn:
             conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'")
             conn.execute("SELECT pg_reload_conf()")
-        deadline = time.monotonic() + 60
-        while self.sync_state() != "sync":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the standby never became synchronous:\n{self.standby.log()}")
-            time.sleep(0.1)
+        try:
+            wait_until(
+                lambda: self.sync_state() == "sync", what="the standby to replicate synchronously", interval_s=0.1
+            )
+        except AssertionError as late:
+            raise RuntimeError(f"{late}:\n{self.standby.log()}") from None
 
     def sync_state(self) -> str | None:
         """Return the standby's ``sync_state`` as the primary sees it (None: not streaming)."""

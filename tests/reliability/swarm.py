@@ -54,6 +54,7 @@ from typing import Any
 import httpx
 
 from tests.processes import free_port, stop_process_groups
+from tests.waiting import WAIT_S, wait_until
 
 PROJECT = "swarm"
 WORK_MAILBOX = "swarm-work"
@@ -191,19 +192,25 @@ def deployment(
         servers = [f"http://127.0.0.1:{port}" for port in ports]
         started = Deployment(servers=servers, worker_pids=[children[2].pid, children[3].pid], log_dir=log_dir)
         started.children = children
-        deadline = time.monotonic() + 90
-        for url in servers:
-            while True:
-                if started.dead():
-                    raise RuntimeError(f"a process exited while starting: {started.dead()}\n{started.logs()}")
-                try:
-                    if httpx.get(f"{url}/v1/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url} did not answer within 90 s\n{started.logs()}")
-                time.sleep(0.2)
+
+        def healthy(url: str) -> bool:
+            if started.dead():
+                raise RuntimeError(f"a process exited while starting: {started.dead()}\n{started.logs()}")
+            try:
+                return httpx.get(f"{url}/v1/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        try:
+            # Five processes importing the project at once (it had 90 s): more than one state's wait.
+            wait_until(
+                lambda: all(healthy(url) for url in servers),
+                what="both API processes to answer",
+                interval_s=0.2,
+                waits=2,
+            )
+        except AssertionError as late:
+            raise RuntimeError(f"{late}\n{started.logs()}") from None
         yield started
     finally:
         stop_process_groups(children)
@@ -637,10 +644,10 @@ class SwarmClient:
         result_record = self.waits.add(WaitRecord("result", last.id, self.peer_name, self.home_name))
         result_wait = self.result_wait(result_record, last.id, ("SUCCEEDED",))
         completed_at: dict[str, float] = {}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT_S
         while len(done) < len(tickets):
             if time.monotonic() > deadline:
-                raise AssertionError(f"run {run.id}: only {len(done)} of {len(tickets)} tasks done after 60 s")
+                raise AssertionError(f"run {run.id}: only {len(done)} of {len(tickets)} tasks done after {WAIT_S:g} s")
             for claim in self.claim(run.tasks, WORK_MAILBOX, run_id=run.id, max=2, wait_ms=2000):
                 self.finish_claim(claim, done, completed_at)
         self.settle(result_record, result_wait, completed_at.get(last.id))
@@ -677,10 +684,10 @@ class SwarmClient:
         gate = self.home.scope(gate_id)
         finished: dict[str, str] = {}
         decided_at, decision = None, None
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT_S
         while len(finished) < len(members):
             if time.monotonic() > deadline:
-                raise AssertionError(f"group {group.id}: members not all claimable within 60 s")
+                raise AssertionError(f"group {group.id}: members not all claimable within {WAIT_S:g} s")
             for claim in self.claim(gate.tasks, GROUP_MAILBOX, run_id=gate_id, max=3, wait_ms=2000):
                 self.renew(claim)
                 if claim.task_id == members[2] and self.random.random() < 0.3:
@@ -818,7 +825,7 @@ class SwarmClient:
         from runstate import ScopeCancelledError
 
         tasks = self.peer.scope(run_id).tasks
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             try:
                 for claim in self.claim(tasks, WORK_MAILBOX, run_id=run_id, max=1, wait_ms=500):
@@ -935,9 +942,12 @@ class EventFollower(threading.Thread):
         except Exception:  # noqa: BLE001 - reported at the end
             self.stats.fail(f"event follower: {traceback.format_exc()}")
 
-    def drain(self, database_cursors: Callable[[], set[str]], timeout_s: float = 60) -> tuple[int, int]:
-        """Follow until every event in ``database_cursors()`` was seen; return (events, pages seen twice)."""
-        deadline = time.monotonic() + timeout_s
+    def drain(self, database_cursors: Callable[[], set[str]]) -> tuple[int, int]:
+        """Follow until every event in ``database_cursors()`` was seen, ``WAIT_S`` at most.
+
+        Return (events, pages seen twice).
+        """
+        deadline = time.monotonic() + WAIT_S
         expected = database_cursors()
         while time.monotonic() < deadline and not expected <= set(self.seen):
             time.sleep(0.5)

@@ -34,7 +34,7 @@ import pytest
 from tests.clusters import ApiOnPair, StreamingPair, streaming_pair
 from tests.reliability.ledger import Ledger, check_in_process
 from tests.reliability.throwaway import throwaway_redis  # noqa: F401 - fixture
-from tests.waiting import wait_until
+from tests.waiting import WAIT_S, wait_until
 
 pytestmark = [pytest.mark.postgres_only]
 
@@ -246,7 +246,7 @@ class Failover(ApiOnPair):
         """Claim the group's members on its gate run, complete and accept them (on the new primary)."""
         with self.client() as client:
             done = 0
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + WAIT_S
             while done < group["expectedMembers"] and time.monotonic() < deadline:
                 body = {"runId": group["scopeId"], "workerId": "group", "max": 10, "waitMs": 500}
                 started_ns = time.monotonic_ns()

@@ -15,13 +15,13 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from devservers import PG_OS_USER
 from devservers.net import free_port, port_open
+from tests.waiting import wait_until
 
 
 def _pg_bin() -> Path:
@@ -37,14 +37,6 @@ def _pg_bin() -> Path:
 
 PG_BIN = _pg_bin()
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def _wait_for(predicate, *, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 class ThrowawayPostgres:
@@ -191,7 +183,7 @@ class ThrowawayRedis:
             str(self.log_path),
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        _wait_for(lambda: port_open(self.port) or self.process.poll() is not None, timeout_s=30, what="redis")
+        wait_until(lambda: port_open(self.port) or self.process.poll() is not None, what="redis to listen")
         if self.process.poll() is not None:
             raise RuntimeError(f"redis-server exited ({self.process.returncode}):\n{self.log()}")
 
@@ -205,7 +197,7 @@ class ThrowawayRedis:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        _wait_for(lambda: not port_open(self.port), timeout_s=10, what="redis to close its port")
+        wait_until(lambda: not port_open(self.port), what="redis to close its port")
 
     def log(self) -> str:
         """Return the server log."""
