@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,3 +99,17 @@ def test_wait_s_is_read_from_runstate_test_wait_s():
     assert wait_s() == "60.0"
     assert wait_s(RUNSTATE_TEST_WAIT_S="180") == "180.0"
     assert wait_s(RUNSTATE_TEST_WAIT_S="2.5") == "2.5"
+
+
+# A helper that polls for a state under another name, with its own deadline, is what this module replaced.
+COPY = re.compile(r"^\s*(async\s+)?def\s+(_?wait_until|_?until|_?until_async|_?wait_for)\s*\(", re.MULTILINE)
+
+
+def test_no_test_module_keeps_a_polling_helper_of_its_own():
+    copies = [
+        f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if path != ROOT / "tests" / "waiting.py"
+        for match in COPY.finditer(path.read_text())
+    ]
+    assert copies == [], "import wait_until/until from tests/waiting.py instead"
