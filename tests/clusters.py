@@ -101,12 +101,12 @@ class StreamingPair:
         with psycopg.connect(self.primary.url("postgres"), autocommit=True) as conn:
             conn.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'")
             conn.execute("SELECT pg_reload_conf()")
-        try:
-            wait_until(
-                lambda: self.sync_state() == "sync", what="the standby to replicate synchronously", interval_s=0.1
-            )
-        except AssertionError as late:
-            raise RuntimeError(f"{late}:\n{self.standby.log()}") from None
+        wait_until(
+            lambda: self.sync_state() == "sync",
+            what="the standby to replicate synchronously",
+            interval_s=0.1,
+            explain=self.standby.log,
+        )
 
     def sync_state(self) -> str | None:
         """Return the standby's ``sync_state`` as the primary sees it (None: not streaming)."""
@@ -245,6 +245,11 @@ class ApiOnPair:
                 parts += [f"why: {line}" for line in why[-10:]]
             parts.append(self.log(name))
         return "\n".join(parts)
+
+    def task_states(self, task_ids: list[str]) -> str:
+        """Say how many of ``task_ids`` are in each state, then every child's log (a failed drain's explanation)."""
+        states = Counter(state for state, _, _ in self.pair.tasks(task_ids).values())
+        return f"{states} of {len(task_ids)}\n{self.logs()}"
 
     def exited(self) -> dict[str, int]:
         """Return the exit status of each child that has exited, by name."""

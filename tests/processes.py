@@ -8,10 +8,20 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import httpx
+
 from devservers.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-__all__ = ["ROOT", "free_port", "manage", "stop_process_groups"]
+__all__ = ["ROOT", "answers_health", "free_port", "manage", "stop_process_groups"]
+
+
+def answers_health(url: str, timeout_s: float = 2) -> bool:
+    """Whether the API at ``url`` answers ``/v1/healthz`` with 200; False while it cannot be reached."""
+    try:
+        return httpx.get(f"{url}/v1/healthz", timeout=timeout_s).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def stop_process_groups(processes: Iterable[subprocess.Popen], grace_s: float = 20) -> None:

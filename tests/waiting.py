@@ -24,6 +24,7 @@ import asyncio
 import inspect
 import os
 import time
+from collections.abc import Callable
 
 WAIT_S = float(os.environ.get("RUNSTATE_TEST_WAIT_S", "60"))
 
@@ -36,19 +37,31 @@ def _deadline_s(waits: float, limit_s: float | None) -> float:
     return waits * WAIT_S
 
 
-def _give_up(what: str, started: float, waits: float, limit_s: float | None) -> AssertionError:
+def _give_up(what: str, started: float, waits: float, limit_s: float | None, explain) -> AssertionError:
     waited = time.monotonic() - started
     if limit_s is not None:
-        return AssertionError(f"{what} did not hold within its limit of {limit_s:g} s (waited {waited:.1f} s)")
-    times = "" if waits == 1 else f"{waits:g} × "
-    return AssertionError(f"gave up waiting for {what} after {waited:.1f} s ({times}WAIT_S = {WAIT_S:g} s)")
+        message = f"{what} did not hold within its limit of {limit_s:g} s (waited {waited:.1f} s)"
+    else:
+        times = "" if waits == 1 else f"{waits:g} × "
+        message = f"gave up waiting for {what} after {waited:.1f} s ({times}WAIT_S = {WAIT_S:g} s)"
+    return AssertionError(message if explain is None else f"{message}:\n{explain()}")
 
 
-def wait_until(predicate, *, what: str, interval_s: float = 0.05, waits: float = 1, limit_s: float | None = None):
+def wait_until(
+    predicate,
+    *,
+    what: str,
+    interval_s: float = 0.05,
+    waits: float = 1,
+    limit_s: float | None = None,
+    explain: Callable[[], object] | None = None,
+):
     """Call ``predicate`` every ``interval_s`` until it returns a truthy value, and return that value.
 
     Fail with an AssertionError naming ``what`` and the seconds waited once ``waits`` × ``WAIT_S``
     (or the asserted limit ``limit_s``) has passed: no call of ``predicate`` starts after that.
+    ``explain``, when given, is called then and what it returns (a log, the states seen) ends
+    the message.
     """
     started = time.monotonic()
     deadline = started + _deadline_s(waits, limit_s)
@@ -57,10 +70,18 @@ def wait_until(predicate, *, what: str, interval_s: float = 0.05, waits: float =
         if value:
             return value
         time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
-    raise _give_up(what, started, waits, limit_s)
+    raise _give_up(what, started, waits, limit_s, explain)
 
 
-async def until(predicate, *, what: str, interval_s: float = 0.01, waits: float = 1, limit_s: float | None = None):
+async def until(
+    predicate,
+    *,
+    what: str,
+    interval_s: float = 0.01,
+    waits: float = 1,
+    limit_s: float | None = None,
+    explain: Callable[[], object] | None = None,
+):
     """``wait_until`` on an event loop: sleep with ``asyncio.sleep``; ``predicate`` may be a coroutine function."""
     started = time.monotonic()
     deadline = started + _deadline_s(waits, limit_s)
@@ -71,4 +92,4 @@ async def until(predicate, *, what: str, interval_s: float = 0.01, waits: float 
         if value:
             return value
         await asyncio.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
-    raise _give_up(what, started, waits, limit_s)
+    raise _give_up(what, started, waits, limit_s, explain)

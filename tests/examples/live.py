@@ -93,15 +93,13 @@ def started(command: str, tmp_path: Path):
         return "Press Ctrl-C to stop." in output.read_text(errors="replace")
 
     try:
-        try:
-            wait_until(
-                lambda: banner() or service.process.poll() is not None,
-                what=f"{command} to come up",
-                interval_s=0.2,
-                waits=START_WAITS,
-            )
-        except AssertionError as late:
-            raise AssertionError(f"{late}:\n{service.log()}") from None
+        wait_until(
+            lambda: banner() or service.process.poll() is not None,
+            what=f"{command} to come up",
+            interval_s=0.2,
+            waits=START_WAITS,
+            explain=service.log,
+        )
         assert banner(), f"{command} exited:\n{service.log()}"
         yield service
     finally:

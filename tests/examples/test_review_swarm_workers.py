@@ -43,15 +43,13 @@ def wait_for_run_id(output, reviewer) -> str:
         found = re.search(r"export RUNSTATE_SCOPE_ID=(\S+)", output.read_text(errors="replace"))
         return found.group(1) if found else None
 
-    try:
-        wait_until(
-            lambda: run_id() or reviewer.poll() is not None,
-            what="the reviewer to print its run id",
-            interval_s=0.1,
-            waits=SWARM_WAITS,
-        )
-    except AssertionError as late:
-        raise AssertionError(f"{late}:\n{output.read_text(errors='replace')}") from None
+    wait_until(
+        lambda: run_id() or reviewer.poll() is not None,
+        what="the reviewer to print its run id",
+        interval_s=0.1,
+        waits=SWARM_WAITS,
+        explain=lambda: output.read_text(errors="replace"),
+    )
     found = run_id()
     assert found, output.read_text(errors="replace")  # the reviewer exited without one
     return found

@@ -133,10 +133,7 @@ async def settled(run_id: str, check) -> None:
         seen["rows"] = await asyncio.to_thread(task_rows, run_id)
         return check(seen["rows"])
 
-    try:
-        await until(holds, what="the server's releases", interval_s=0.1)
-    except AssertionError as late:
-        raise AssertionError(f"{late}: {seen['rows']}") from None
+    await until(holds, what="the server's releases", interval_s=0.1, explain=lambda: seen["rows"])
 
 
 def setup_run(tasks: int) -> tuple[str, str, list[str]]:

@@ -15,7 +15,7 @@ import httpx
 from django.db import connection
 
 from tests import waiting
-from tests.processes import free_port, stop_process_groups
+from tests.processes import answers_health, free_port, stop_process_groups
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,16 +99,10 @@ def _serve(name: str, arguments, log_dir: Path, env: dict[str, str]):
     def healthy() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited ({process.returncode}):\n{server.log()}")
-        try:
-            return httpx.get(f"{server.url}/v1/healthz", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
+        return answers_health(server.url)
 
     try:
-        try:
-            wait_until(healthy, what=f"{name} to answer /v1/healthz", interval_s=0.1)
-        except AssertionError as late:
-            raise RuntimeError(f"{late}:\n{server.log()}") from None
+        wait_until(healthy, what=f"{name} to answer /v1/healthz", interval_s=0.1, explain=server.log)
         yield server
     finally:
         stop_process_groups([process], grace_s=15)

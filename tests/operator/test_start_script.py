@@ -102,15 +102,13 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
     seen: list[int] = []
     try:
         # The script prints its banner once /v1/healthz answers.
-        try:
-            wait_until(
-                lambda: banner() or script.poll() is not None,
-                what="scripts/start to come up",
-                interval_s=0.2,
-                waits=START_WAITS,
-            )
-        except AssertionError as late:
-            raise AssertionError(f"{late}:\n{log()}") from None
+        wait_until(
+            lambda: banner() or script.poll() is not None,
+            what="scripts/start to come up",
+            interval_s=0.2,
+            waits=START_WAITS,
+            explain=log,
+        )
         assert banner(), f"scripts/start exited ({script.returncode}):\n{log()}"
         assert httpx.get(f"http://127.0.0.1:{port}/v1/healthz", timeout=10).json() == {"status": "ok"}
         assert "DEBUG=1 (development" in output.read_text(), "the script says it turned DEBUG on"
@@ -125,10 +123,13 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
         def workers() -> list[int]:
             return [pid for pid in children(master) if "multiprocessing.spawn" in command_line(pid)]
 
-        try:
-            wait_until(lambda: len(workers()) == 2, what="uvicorn's two workers", interval_s=0.2, waits=START_WAITS)
-        except AssertionError as late:
-            raise AssertionError(f"{late}: {workers()}\n{log()}") from None
+        wait_until(
+            lambda: len(workers()) == 2,
+            what="uvicorn's two workers",
+            interval_s=0.2,
+            waits=START_WAITS,
+            explain=lambda: f"{workers()}\n{log()}",
+        )
         # The MCP server for agents, printed beside the API key (it refuses a foreign Host).
         assert f"MCP:      http://127.0.0.1:{mcp_port}/mcp" in output.read_text(), log()
         (mcp,) = [pid for pid in children(script.pid) if "runstate.cli mcp --http" in command_line(pid)]
@@ -138,10 +139,12 @@ def test_scripts_start_runs_web_concurrency_processes_and_sigint_stops_them_all(
 
         script.send_signal(signal.SIGINT)
         assert script.wait(WAIT_S) == 130, log()
-        try:
-            wait_until(lambda: not any(alive(pid) for pid in seen), what="every process to stop", interval_s=0.2)
-        except AssertionError as late:
-            raise AssertionError(f"{late}: {[pid for pid in seen if alive(pid)]}\n{log()}") from None
+        wait_until(
+            lambda: not any(alive(pid) for pid in seen),
+            what="every process to stop",
+            interval_s=0.2,
+            explain=lambda: f"{[pid for pid in seen if alive(pid)]}\n{log()}",
+        )
         assert "Stopping api" in output.read_text()
     finally:
         stop_process_groups([script], grace_s=15)

@@ -38,15 +38,29 @@ def test_wait_until_returns_the_predicates_truthy_value_once_it_holds():
 def test_wait_until_gives_up_after_wait_s_naming_what_it_waited_for(monkeypatch):
     monkeypatch.setattr(waiting, "WAIT_S", 0.2)
     started = time.monotonic()
-    with pytest.raises(AssertionError, match=r"gave up waiting for the task to succeed after 0\.[2-9] s"):
+    # How long it waited past the deadline is up to the machine: only the lower bound is asserted.
+    with pytest.raises(AssertionError, match=r"gave up waiting for the task to succeed after \d+\.\d s") as late:
         wait_until(lambda: 0, what="the task to succeed")
-    assert 0.2 <= time.monotonic() - started < 5
+    assert time.monotonic() - started >= 0.2
+    assert float(re.search(r"after (\S+) s", str(late.value)).group(1)) >= 0.2
+
+
+def test_explain_ends_the_message_with_what_it_returns(monkeypatch):
+    monkeypatch.setattr(waiting, "WAIT_S", 0.05)
+    with pytest.raises(AssertionError, match=r"gave up waiting for the worker .*:\nCounter\(\{'QUEUED': 1\}\)$"):
+        wait_until(lambda: False, what="the worker", explain=lambda: "Counter({'QUEUED': 1})")
+
+    async def never():
+        return False
+
+    with pytest.raises(AssertionError, match=r"did not hold within its limit of 0\.05 s .*:\n--- api log$"):
+        asyncio.run(until(never, what="the drain", limit_s=0.05, explain=lambda: "--- api log"))
 
 
 def test_waits_is_a_multiple_of_wait_s_never_less_than_one(monkeypatch):
     monkeypatch.setattr(waiting, "WAIT_S", 0.1)
     started = time.monotonic()
-    with pytest.raises(AssertionError, match=r"gave up waiting for 200 tasks after 0\.[2-9] s \(2 × WAIT_S = 0\.1 s\)"):
+    with pytest.raises(AssertionError, match=r"gave up waiting for 200 tasks after \d+\.\d s \(2 × WAIT_S = 0\.1 s\)"):
         wait_until(lambda: False, what="200 tasks", waits=2)
     assert time.monotonic() - started >= 0.2
     with pytest.raises(AssertionError, match="never shorter than WAIT_S"):
@@ -83,7 +97,7 @@ def test_until_gives_up_after_wait_s_naming_what_it_waited_for(monkeypatch):
     async def never():
         return False
 
-    with pytest.raises(AssertionError, match=r"gave up waiting for three waiters parked after 0\.[2-9] s"):
+    with pytest.raises(AssertionError, match=r"gave up waiting for three waiters parked after \d+\.\d s"):
         asyncio.run(until(never, what="three waiters parked"))
 
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import httpx
 
-from tests.processes import free_port, stop_process_groups
+from tests.processes import answers_health, free_port, stop_process_groups
 from tests.waiting import WAIT_S, wait_until
 
 PROJECT = "swarm"
@@ -196,21 +196,16 @@ def deployment(
         def healthy(url: str) -> bool:
             if started.dead():
                 raise RuntimeError(f"a process exited while starting: {started.dead()}\n{started.logs()}")
-            try:
-                return httpx.get(f"{url}/v1/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
+            return answers_health(url)
 
-        try:
-            # Five processes importing the project at once (it had 90 s): more than one state's wait.
-            wait_until(
-                lambda: all(healthy(url) for url in servers),
-                what="both API processes to answer",
-                interval_s=0.2,
-                waits=2,
-            )
-        except AssertionError as late:
-            raise RuntimeError(f"{late}\n{started.logs()}") from None
+        # Five processes importing the project at once (it had 90 s): more than one state's wait.
+        wait_until(
+            lambda: all(healthy(url) for url in servers),
+            what="both API processes to answer",
+            interval_s=0.2,
+            waits=2,
+            explain=started.logs,
+        )
         yield started
     finally:
         stop_process_groups(children)

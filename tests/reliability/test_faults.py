@@ -26,7 +26,6 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 from django.utils import timezone
 
@@ -38,7 +37,7 @@ from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from tests.concurrency.util import run_in_threads
-from tests.processes import free_port
+from tests.processes import answers_health, free_port
 from tests.reliability import fault_tasks
 from tests.reliability.ledger import Ledger, Services
 from tests.sdk.conftest import server_env, wait_for_quiet_server
@@ -327,10 +326,7 @@ def faults_server(django_db_setup, tmp_path_factory):
 
     def healthy():
         assert process.poll() is None, log_path.read_text(errors="replace")
-        try:
-            return httpx.get(f"{url}/v1/healthz", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
+        return answers_health(url)
 
     try:
         wait_until(healthy, what="uvicorn to answer")

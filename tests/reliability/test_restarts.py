@@ -394,11 +394,11 @@ def assert_nothing_lost(stack: Stack, load: Load) -> None:
         states = stack.states("coordination_task", load.bound)
         return len(states) == len(load.bound) and set(states.values()) == {"SUCCEEDED"}
 
-    try:
-        wait_until(bound_done, waits=2, interval_s=0.5, what="every acknowledged bound task to be done")
-    except AssertionError as late:
-        states = Counter(stack.states("coordination_task", load.bound).values())
-        raise AssertionError(f"{late}: {states} of {len(load.bound)}\n{stack.logs()}") from None
+    def states() -> str:
+        seen = Counter(stack.states("coordination_task", load.bound).values())
+        return f"{seen} of {len(load.bound)}\n{stack.logs()}"
+
+    wait_until(bound_done, waits=2, interval_s=0.5, what="every acknowledged bound task to be done", explain=states)
 
     def timers_fired() -> bool:
         states = stack.states("coordination_timer", load.timers)
