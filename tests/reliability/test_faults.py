@@ -190,10 +190,19 @@ def inject_kills(rng, run, children: Children, alive: list[subprocess.Popen], re
     return interrupted
 
 
-def assert_exactly_once(run, report, interrupted: dict, seed: int) -> int:
+def task_history(task_id) -> list[tuple]:
+    """Return ``task_id``'s events, oldest first, for a failure's message."""
+    return list(Event.objects.filter(subject_id=str(task_id)).order_by("id").values_list("type", "data", "created_at"))
+
+
+def assert_exactly_once(run, ledger: Ledger, report, interrupted: dict, seed: int) -> int:
     """Every task of ``run`` succeeded once, by its last attempt, with the outcome that attempt returned.
 
-    Return how many of the tasks the kills left running were taken over after their lease expired.
+    Each task a kill left running either finished by the dead worker's completion (on the wire
+    when it died) or went back to the queue under the dead attempt: taken over once its lease
+    expired or, when the claim's answer never reached the worker, handed back by the server
+    (a claim request whose client went away hands back what it claimed: ``api/hot``'s
+    ``abandon``). Return how many were taken over after their lease expired.
     """
     rows = list(Task.objects.filter(run=run).values("id", "state", "attempts", "outcome"))
     assert len(rows) == TASKS
@@ -206,15 +215,26 @@ def assert_exactly_once(run, report, interrupted: dict, seed: int) -> int:
     # Each task's side effect was done under its succeeding claim (effects_once, in the report).
     assert report.counts["effects"] >= TASKS
     by_id = {row["id"]: row for row in rows}
+    # The claims some worker was answered with (each worker records its claims' answers).
+    delivered = {
+        claim_id for entry in ledger.entries if entry.op == "claim" and entry.ok for claim_id in entry.claim_ids
+    }
     taken_over = 0
     for task_id, dead_attempt in interrupted.items():
         if by_id[task_id]["attempts"] == dead_attempt:
             # Its completion was on the wire when the worker died, and the server committed it.
             assert by_id[task_id]["outcome"]["attempt"] == dead_attempt, f"seed {seed}: {task_id}"
             continue
-        causes = Event.objects.filter(subject_id=str(task_id), type="task.requeued").values_list("data", flat=True)
-        assert any(data["cause"] == "lease_expired" for data in causes), f"seed {seed}: {task_id}"
-        taken_over += 1
+        requeue = Event.objects.filter(
+            subject_id=str(task_id), type="task.requeued", data__attempt=dead_attempt
+        ).values_list("data", flat=True)
+        cause = requeue[0]["cause"] if requeue else None
+        handed_back = cause == "released" and claim_id_for(task_id, dead_attempt) not in delivered
+        assert cause == "lease_expired" or handed_back, (
+            f"seed {seed}: {task_id}, held at attempt {dead_attempt} by a killed worker, went back to the queue "
+            f"neither by its lease expiring nor as a claim never delivered; its events: {task_history(task_id)}"
+        )
+        taken_over += cause == "lease_expired"
     assert taken_over >= 1, f"seed {seed}: no kill interrupted work that had to be taken over"
     return taken_over
 
@@ -295,9 +315,10 @@ def test_celery_workers_sigkilled_three_times_finish_200_tasks_exactly_once(
     for child in alive:
         children.terminate(child)
 
-    report = merged(ledger, ledger_dir).assert_clean(run.project_id, drained_runs=[run.id])
+    book = merged(ledger, ledger_dir)
+    report = book.assert_clean(run.project_id, drained_runs=[run.id])
     print(f"celery: {report.describe()}")
-    taken_over = assert_exactly_once(run, report, interrupted, rng.seed_value)
+    taken_over = assert_exactly_once(run, book, report, interrupted, rng.seed_value)
     assert report.counts["takeovers"] >= taken_over
     print(f"celery: {KILLS} kills, {len(interrupted)} tasks left running, {taken_over} taken over")
     assert report.counts["claims_handed_out"] >= TASKS + taken_over
@@ -382,9 +403,10 @@ def test_sdk_consumers_sigkilled_three_times_finish_200_tasks_exactly_once(sdk_r
     for child in alive:
         children.terminate(child)
 
-    report = merged(ledger, ledger_dir).assert_clean(setup.project.id, drained_runs=[setup.run.id])
+    book = merged(ledger, ledger_dir)
+    report = book.assert_clean(setup.project.id, drained_runs=[setup.run.id])
     print(f"sdk: {report.describe()}")
-    taken_over = assert_exactly_once(setup.run, report, interrupted, rng.seed_value)
+    taken_over = assert_exactly_once(setup.run, book, report, interrupted, rng.seed_value)
     assert report.counts["takeovers"] >= taken_over
     print(f"sdk: {KILLS} kills, {len(interrupted)} tasks left running, {taken_over} taken over")
 
