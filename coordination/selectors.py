@@ -246,14 +246,48 @@ EVENT_HORIZON_SQL = """(
 )"""
 
 
-def _below_event_horizon(queryset: QuerySet[Event]) -> QuerySet[Event]:
+# The horizon with whether it is held by a transaction that has ended since the snapshot:
+# ``pg_stat_activity`` is read after the snapshot is taken, so a transaction that ends in
+# between (its backend shows no id, or a new one) cannot be attributed and counts. It holds a
+# reader back for nothing once it has ended: a fresh statement's snapshot no longer sees it
+# running. A busy cluster ends many transactions a second, so a one-time read (``GET
+# /v1/events`` right after a change) met such a horizon often enough to miss the change.
+EVENT_HORIZON_NOW_SQL = f"""
+SELECT h, h < pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+          AND pg_xact_status(h::text::xid8) IS DISTINCT FROM 'in progress'
+FROM (SELECT {EVENT_HORIZON_SQL} AS h) AS horizon
+"""
+# Reads of the horizon a reader spends while ended transactions hold it, before it takes the last.
+EVENT_HORIZON_TRIES = 3
+
+
+def event_horizon() -> int | None:
+    """Return the event horizon now, read anew while an ended transaction holds it (``EVENT_HORIZON_NOW_SQL``).
+
+    None on SQLite, which needs none. A horizon read in one statement is safe to use in a later
+    one: every transaction below it had ended at the earlier snapshot, so the later one sees
+    all their events. After ``EVENT_HORIZON_TRIES`` reads the last is taken (only a delay).
+    """
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        for _ in range(EVENT_HORIZON_TRIES):
+            cursor.execute(EVENT_HORIZON_NOW_SQL)
+            horizon, ended = cursor.fetchone()
+            if not ended:
+                break
+    return horizon
+
+
+def _below_event_horizon(queryset: QuerySet[Event], horizon: int | None = None) -> QuerySet[Event]:
     """Keep the events a cursor reader may see now: on PostgreSQL, those below the horizon.
 
+    ``horizon``: one read beforehand (``event_horizon``); else the statement computes its own.
     On SQLite writers are serialized, so every committed event may be seen.
     """
     if connection.vendor != "postgresql":
         return queryset
-    return queryset.filter(txid__lt=RawSQL(EVENT_HORIZON_SQL, []))
+    return queryset.filter(txid__lt=horizon if horizon is not None else RawSQL(EVENT_HORIZON_SQL, []))
 
 
 _BIGINT_MAX = 2**63 - 1
@@ -293,19 +327,31 @@ def event_list(
     """
     _parse_event_cursor(after)  # a malformed cursor is refused before an unknown run
     run_path = run_get(visibility, run_id).path if run_id is not None else None
-    events = list(event_list_query(visibility, after=after, types=types, run_path=run_path, limit=limit))
+    query = event_list_query(
+        visibility, after=after, types=types, run_path=run_path, limit=limit, horizon=event_horizon()
+    )
+    events = list(query)
     return events, event_page_cursor(events, after)
 
 
 def event_list_query(
-    visibility: Visibility, *, after: str | None, types: Iterable[str], run_path: str | None, limit: int
+    visibility: Visibility,
+    *,
+    after: str | None,
+    types: Iterable[str],
+    run_path: str | None,
+    limit: int,
+    horizon: int | None = None,
 ) -> QuerySet[Event]:
-    """Return the query of ``event_list`` with the run's path already found (the hot path runs it on its pool)."""
+    """Return the query of ``event_list`` with the run's path (and the horizon, ``event_horizon``) already found.
+
+    The hot path runs it on its pool, with the horizon it read there.
+    """
     txid, event_id = _parse_event_cursor(after)
     queryset = Event.objects.filter(project_id=visibility.project_id).filter(
         Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id)
     )
-    queryset = _below_event_horizon(queryset)
+    queryset = _below_event_horizon(queryset, horizon)
     types = [t for t in types if t]
     if types:
         queryset = queryset.filter(type__in=types)

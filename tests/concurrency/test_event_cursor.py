@@ -12,9 +12,17 @@ import time
 import psycopg
 import pytest
 from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from coordination.models import Event
-from coordination.selectors import Visibility, event_head, event_list
+from coordination.selectors import (
+    EVENT_HORIZON_NOW_SQL,
+    EVENT_HORIZON_TRIES,
+    Visibility,
+    event_head,
+    event_horizon,
+    event_list,
+)
 from coordination.services.keys import project_ensure
 from coordination.services.runs import run_create
 from tests.concurrency.util import read_events_until, run_in_threads
@@ -154,3 +162,42 @@ def test_a_transaction_still_running_in_this_database_holds_the_readers_back():
             local.commit()
     events, _ = _read_until(visibility, None, lambda events: event.id in [e.id for e in events])
     assert event.id in [e.id for e in events]
+
+
+def _horizon_now(cursor) -> tuple[int, bool]:
+    cursor.execute(EVENT_HORIZON_NOW_SQL)
+    return cursor.fetchone()
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_horizon_held_by_a_transaction_that_ended_after_the_snapshot_is_read_again():
+    """A transaction running at the reader's snapshot and ended before its look at pg_stat_activity
+    cannot be attributed, so it holds the horizon; the read says it has ended, and a fresh
+    statement (``event_horizon``) is no longer held by it.
+
+    The window between the two looks is forced: the reader's snapshot is frozen (REPEATABLE
+    READ, taken by a first statement) while the other transaction runs, which then commits
+    before the reader's first look at pg_stat_activity.
+    """
+    project = project_ensure(name="events-ended")
+    visibility = Visibility(project_id=project.id)
+    with _connect("postgres") as foreign:
+        foreign_xid = foreign.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+        run = run_create(project_id=project.id)  # committed after the foreign transaction got its id
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            cursor.execute("SELECT 1")  # the snapshot: the foreign transaction is running in it
+            foreign.commit()
+            horizon, ended = _horizon_now(cursor)
+            assert horizon <= foreign_xid, "an ended transaction the snapshot saw running still counts"
+            if horizon == foreign_xid:  # (an older one, of any database, may hold it further back)
+                assert ended
+            # Frozen snapshot: every read is held alike; the reader stops after its tries.
+            with CaptureQueriesContext(connection) as reads:
+                assert event_horizon() == horizon
+            assert len(reads) == EVENT_HORIZON_TRIES
+    # Each statement its own snapshot: the ended transaction holds nothing back.
+    assert event_horizon() > foreign_xid
+    events, _ = event_list(visibility, after=None, limit=10)
+    assert [e.subject_id for e in events] == [str(run.id)]

@@ -199,19 +199,30 @@ class EventList(Wait):
 
     async def first(self, call, hop, sent):  # noqa: D102
         query = call.data
+        horizon = await _event_horizon(sent)
         page = selectors.event_list_query(
             call.visibility,
             after=query.get("after"),
             types=events.event_page_types(query),
             run_path=call.target,
             limit=query["limit"],
+            horizon=horizon,
         )
         statement, params = page.query.sql_with_params()
-        found = [event for (event,) in sql.models_from_rows(Event, await db.fetch(statement, params, sent=sent))]
+        found = [event for (event,) in sql.models_from_rows(Event, await db.fetch(statement, params))]
         return found, selectors.event_page_cursor(found, query.get("after"))
 
     def respond(self, call, value):  # noqa: D102
         return Response(events.present_page(call.visibility, *value))
+
+
+async def _event_horizon(sent) -> int:
+    """Read the event horizon on the pool as ``selectors.event_horizon`` does; ``sent`` goes with the first read."""
+    for attempt in range(selectors.EVENT_HORIZON_TRIES):
+        [(horizon, ended)] = await db.fetch(selectors.EVENT_HORIZON_NOW_SQL, {}, sent=None if attempt else sent)
+        if not ended:
+            break
+    return horizon
 
 
 ENDPOINTS: dict[type, Endpoint] = {
