@@ -279,7 +279,9 @@ class PathsMachine(RuleBasedStateMachine):
         assert views[0] == views[1], f"fast and careful worlds differ:\n{views[0]}\n{views[1]}"
 
 
-MACHINE_SETTINGS = machine_settings(max_examples=100, steps=40)
+# 50 examples of 40 steps (100 until issue 37: 82 s of the PostgreSQL run);
+# RUNSTATE_MACHINE_EXAMPLES asks for more (tests/machines.py).
+MACHINE_SETTINGS = machine_settings(max_examples=50, steps=40)
 
 
 @pytest.mark.timeout(600)

@@ -578,7 +578,9 @@ class GroupMachine(RuleBasedStateMachine):
         assert (gate_state == "CANCELLED") == model.finalized, gate_state
 
 
-MACHINE_SETTINGS = machine_settings(max_examples=75, steps=30)
+# 40 examples of 30 steps (75 until issue 37: 45-69 s of the PostgreSQL run per way);
+# RUNSTATE_MACHINE_EXAMPLES asks for more (tests/machines.py).
+MACHINE_SETTINGS = machine_settings(max_examples=40, steps=30)
 
 
 # A pass takes well under a minute; a failure may shrink for up to Hypothesis's own five
