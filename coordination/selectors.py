@@ -287,7 +287,10 @@ def _below_event_horizon(queryset: QuerySet[Event], horizon: int | None = None) 
     """
     if connection.vendor != "postgresql":
         return queryset
-    return queryset.filter(txid__lt=horizon if horizon is not None else RawSQL(EVENT_HORIZON_SQL, []))
+    # A horizon read beforehand goes in as an InitPlan, as the one computed here does: the
+    # planner picks the same index for both, and never folds the bound into the cursor's.
+    bound = RawSQL("(SELECT %s::bigint)", [horizon]) if horizon is not None else RawSQL(EVENT_HORIZON_SQL, [])
+    return queryset.filter(txid__lt=bound)
 
 
 _BIGINT_MAX = 2**63 - 1
