@@ -1,53 +1,25 @@
 """Shared fixtures: projects, keys and API clients against the real database."""
 
-import functools
-
 import pytest
-from django.core.management.base import CommandError
 from django.db import connection
 from django.test import TransactionTestCase
 from rest_framework.test import APIClient
 
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
-
-# How many times a transactional test's teardown flush is tried when it loses a deadlock.
-FLUSH_TRIES = 5
-
-
-def lost_a_deadlock(error: BaseException | None) -> bool:
-    """Whether ``error``, or an error it was raised from, is PostgreSQL's ``deadlock detected`` (40P01)."""
-    while error is not None:
-        if getattr(error, "sqlstate", None) == "40P01":
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def flush_retrying_deadlocks(teardown):
-    """Wrap ``TransactionTestCase._fixture_teardown`` (the flush after a transactional test) to retry a lost deadlock.
-
-    A server a test started (the session's uvicorn for the SDK tests) can still be finishing
-    a statement its client abandoned, such as a long-poll's read, when the flush begins: its
-    transaction holds one table and asks for another that the ``TRUNCATE`` already holds
-    while the ``TRUNCATE`` waits for the first, and PostgreSQL aborts the ``TRUNCATE``. The
-    late transaction then ends, and the flush tried again empties the tables it wrote too.
-    """
-
-    @functools.wraps(teardown)
-    def retrying(self):
-        for attempt in range(1, FLUSH_TRIES + 1):
-            try:
-                return teardown(self)
-            except CommandError as error:
-                if attempt == FLUSH_TRIES or not lost_a_deadlock(error):
-                    raise
-
-    return retrying
+from tests.flush import flush_retrying_deadlocks, flush_written_tables, written_tables_first
 
 
 def pytest_configure(config):
-    """Retry the flush of a transactional test's teardown that lost a deadlock (``flush_retrying_deadlocks``)."""
-    TransactionTestCase._fixture_teardown = flush_retrying_deadlocks(TransactionTestCase._fixture_teardown)
+    """After a transactional test, flush only what it wrote, and retry a flush that lost a deadlock (tests/flush.py)."""
+    teardown = written_tables_first(TransactionTestCase._fixture_teardown)
+    TransactionTestCase._fixture_teardown = flush_retrying_deadlocks(teardown)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flush_remembers_the_migrated_database(django_db_setup, django_db_blocker):
+    """Record the content types and permissions ``flush_written_tables`` keeps (``tests/flush.py``)."""
+    with django_db_blocker.unblock():
+        flush_written_tables.remember("default")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,10 @@ only ever reached when a test fails, so it is long: a wait that holds returns as
 and a deadline guessed small is what makes a test flaky on a loaded two-core machine. A test
 asserts what the server does, never how quickly it gets there on this machine.
 
+Between two calls of its predicate a wait pauses 2 ms at first, then twice as long each time up to
+its ``interval_s``: a state reached in a few milliseconds (a notification, a commit) is seen a few
+milliseconds later, not a whole interval later, and a long wait still polls every ``interval_s``.
+
 ``wait_until`` (sync) and ``until`` (async) are the only polling helpers of the suite; a loop that
 must stay hand-written (it also reads a child process's output, say) takes ``WAIT_S`` as its
 deadline too, and so does a ``thread.join`` or ``Event.wait`` that only detects a hang. Two
@@ -27,6 +31,15 @@ import time
 from collections.abc import Callable
 
 WAIT_S = float(os.environ.get("RUNSTATE_TEST_WAIT_S", "60"))
+FIRST_PAUSE_S = 0.002  # the first pause between two calls of a predicate; each next one doubles
+
+
+def pauses(interval_s: float):
+    """Yield the pauses between a wait's calls: ``FIRST_PAUSE_S``, doubling up to ``interval_s``, then it."""
+    pause = min(FIRST_PAUSE_S, interval_s)
+    while True:
+        yield pause
+        pause = min(2 * pause, interval_s)
 
 
 def _deadline_s(waits: float, limit_s: float | None) -> float:
@@ -56,7 +69,7 @@ def wait_until(
     limit_s: float | None = None,
     explain: Callable[[], object] | None = None,
 ):
-    """Call ``predicate`` every ``interval_s`` until it returns a truthy value, and return that value.
+    """Call ``predicate`` until it returns a truthy value, pausing as ``pauses`` says, and return that value.
 
     Fail with an AssertionError naming ``what`` and the seconds waited once ``waits`` × ``WAIT_S``
     (or the asserted limit ``limit_s``) has passed: no call of ``predicate`` starts after that.
@@ -65,11 +78,12 @@ def wait_until(
     """
     started = time.monotonic()
     deadline = started + _deadline_s(waits, limit_s)
+    pause = pauses(interval_s)
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
+        time.sleep(max(0.0, min(next(pause), deadline - time.monotonic())))
     raise _give_up(what, started, waits, limit_s, explain)
 
 
@@ -85,11 +99,12 @@ async def until(
     """``wait_until`` on an event loop: sleep with ``asyncio.sleep``; ``predicate`` may be a coroutine function."""
     started = time.monotonic()
     deadline = started + _deadline_s(waits, limit_s)
+    pause = pauses(interval_s)
     while time.monotonic() < deadline:
         value = predicate()
         if inspect.isawaitable(value):
             value = await value
         if value:
             return value
-        await asyncio.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
+        await asyncio.sleep(max(0.0, min(next(pause), deadline - time.monotonic())))
     raise _give_up(what, started, waits, limit_s, explain)

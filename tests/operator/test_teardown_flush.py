@@ -1,8 +1,9 @@
-"""The flush after a transactional test survives a deadlock with a statement a test's server left running.
+"""The flush after a transactional test: it empties what Django's flush empties, and survives a deadlock.
 
-``tests/conftest.py`` wraps Django's teardown flush (``flush_retrying_deadlocks``): a
-``TRUNCATE`` that PostgreSQL aborts as a deadlock's victim is tried again, and any other
-error propagates at once.
+``tests/conftest.py`` replaces Django's teardown flush on PostgreSQL by one that truncates only
+the tables a test wrote (``tests/flush.py``, ``flush_written_tables``), which must leave the
+database as Django's does, and wraps both (``flush_retrying_deadlocks``): a flush that
+PostgreSQL aborts as a deadlock's victim is tried again, and any other error propagates at once.
 """
 
 import re
@@ -10,6 +11,8 @@ import threading
 
 import psycopg
 import pytest
+from django.contrib.auth.models import Permission
+from django.contrib.contenttypes.models import ContentType
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.core.management.color import no_style
@@ -17,7 +20,7 @@ from django.core.management.sql import sql_flush
 from django.db import OperationalError, connection
 
 from coordination.models import Project
-from tests.conftest import FLUSH_TRIES, flush_retrying_deadlocks, lost_a_deadlock
+from tests.flush import FLUSH_TRIES, STATIC_TABLES, flush_retrying_deadlocks, flush_written_tables, lost_a_deadlock
 from tests.workers.live import test_database_url as database_url
 
 # The flush's backend checks for a deadlock this long after it starts to wait; the other
@@ -127,3 +130,39 @@ def test_a_flush_caught_in_a_deadlock_by_a_late_transaction_is_its_victim_and_su
     assert late_error == []
     assert tries == [1, 2], "the first flush was the deadlock's victim, the second emptied the tables"
     assert not Project.objects.filter(name="left-behind").exists()
+
+
+def rows_by_table() -> dict[str, int]:
+    tables = connection.introspection.django_table_names(only_existing=True, include_views=False)
+    with connection.cursor() as cursor:
+        return {table: _count(cursor, table) for table in tables}
+
+
+def _count(cursor, table: str) -> int:
+    cursor.execute(f'SELECT count(*) FROM "{table}"')
+    return cursor.fetchone()[0]
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_the_written_tables_flush_leaves_the_database_as_djangos_flush_does():
+    from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
+    from coordination.services.runs import run_create
+
+    project = project_ensure(name="flushed")
+    api_key_create(project_id=project.id, permissions=list(ALL_PERMISSIONS))
+    run_create(project_id=project.id, name="r")
+    Permission.objects.create(codename="temporary", name="t", content_type=ContentType.objects.first())
+    with connection.cursor() as cursor:
+        # A test that changed a content type or a permission is flushed by Django's flush.
+        assert flush_written_tables("default") is False
+        cursor.execute("DELETE FROM auth_permission WHERE codename = 'temporary'")
+    before = rows_by_table()
+    assert before["coordination_project"] and before["coordination_run"] and before["coordination_apikey"]
+
+    assert flush_written_tables("default") is True
+    after = rows_by_table()
+    # What Django's flush leaves: every table empty, but what post_migrate writes back as it was.
+    assert {table: n for table, n in after.items() if n} == {table: before[table] for table in STATIC_TABLES}
+    call_command("flush", verbosity=0, interactive=False)
+    assert rows_by_table() == after

@@ -35,6 +35,30 @@ def test_wait_until_returns_the_predicates_truthy_value_once_it_holds():
     assert len(calls) == 3
 
 
+def test_pauses_start_at_two_ms_and_double_up_to_the_interval():
+    pause = waiting.pauses(0.05)
+    assert [next(pause) for _ in range(8)] == [0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05]
+    pause = waiting.pauses(0.001)  # an interval under the first pause is kept
+    assert [next(pause) for _ in range(3)] == [0.001] * 3
+
+
+def test_a_wait_sleeps_the_growing_pauses_between_calls(monkeypatch):
+    slept = []
+    monkeypatch.setattr(waiting.time, "sleep", slept.append)
+    predicate, calls = counting(5)
+    assert wait_until(predicate, what="the fifth call", interval_s=0.01) == "ready"
+    assert slept == [0.002, 0.004, 0.008, 0.01]
+
+    async def asleep(seconds):
+        slept.append(seconds)
+
+    slept.clear()
+    monkeypatch.setattr(waiting.asyncio, "sleep", asleep)
+    predicate, calls = counting(4)
+    assert asyncio.run(until(predicate, what="the fourth call", interval_s=0.2)) == "ready"
+    assert slept == [0.002, 0.004, 0.008]
+
+
 def test_wait_until_gives_up_after_wait_s_naming_what_it_waited_for(monkeypatch):
     monkeypatch.setattr(waiting, "WAIT_S", 0.2)
     started = time.monotonic()
