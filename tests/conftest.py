@@ -7,10 +7,14 @@ from rest_framework.test import APIClient
 
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 from tests.flush import flush_retrying_deadlocks, flush_written_tables, written_tables_first
+from tests.passwords import hash_quickly
 
 
 def pytest_configure(config):
-    """After a transactional test, flush only what it wrote, and retry a flush that lost a deadlock (tests/flush.py)."""
+    """Flush only what a transactional test wrote (tests/flush.py); hash passwords quickly (tests/passwords.py)."""
+    from django.conf import settings
+
+    hash_quickly(settings)
     teardown = written_tables_first(TransactionTestCase._fixture_teardown)
     TransactionTestCase._fixture_teardown = flush_retrying_deadlocks(teardown)
 
