@@ -398,12 +398,19 @@ def test_the_waits_cap_is_the_views(api_process):  # noqa: F811
 
 
 async def refused_while_one_waits(send):
-    """Park one wait sent by ``send()``, then return the answer to a second one (the first is cancelled)."""
+    """Park one wait sent by ``send()``, then return the answer to a second one (the first is cancelled).
+
+    The first is awaited to its end once cancelled: what its cancellation does (giving back its
+    place, a claim it may hold) needs the hot pool, which the caller closes next. Closed first,
+    a pool reopened by that clean-up was left behind, its workers retrying a connection forever.
+    """
     parked = _parked()
     first = asyncio.ensure_future(send())
     await until(lambda: _parked() == parked + 1, what="the first wait parked")
     second = await send()
     first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
     return second
 
 
