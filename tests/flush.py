@@ -53,8 +53,8 @@ def flush_retrying_deadlocks(teardown):
 
 
 def _static_counts(cursor) -> tuple[int, ...]:
-    cursor.execute(" UNION ALL ".join(f'SELECT count(*) FROM "{table}"' for table in STATIC_TABLES))
-    return tuple(count for (count,) in cursor.fetchall())
+    cursor.execute("SELECT " + ", ".join(f'(SELECT count(*) FROM "{table}")' for table in STATIC_TABLES))
+    return tuple(cursor.fetchone())
 
 
 @functools.cache
