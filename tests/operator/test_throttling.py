@@ -108,6 +108,7 @@ def test_a_burst_on_one_event_loop_is_counted_in_redis_every_hit_once(settings, 
     # What is checked is the pool's limit, not Redis's speed: on a loaded machine a cold pool's
     # connections may take longer than the 0.25 s a request allows them (a fallback by design).
     monkeypatch.setattr(throttling, "REDIS_TIMEOUT_S", 10.0)
+    monkeypatch.setattr(throttling, "REDIS_CONNECT_TIMEOUT_S", 10.0)
     monkeypatch.setattr(throttling, "REDIS_POOL_WAIT_S", 30.0)
     monkeypatch.setattr(throttling.limiter, "_redis_down_until", 0.0)
     monkeypatch.setattr(throttling.limiter, "_async", {})
