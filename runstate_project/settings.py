@@ -37,9 +37,11 @@ ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver"
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "")
 
 INSTALLED_APPS = [
-    # First: its runserver (ASGI, served by daphne) replaces Django's WSGI one and staticfiles',
-    # so the development server streams SSE and holds long-polls without a thread, like uvicorn.
-    "daphne",
+    # First: its runserver (daphne's ASGI one, runstate_project/management/commands/) replaces
+    # Django's WSGI one and staticfiles', so the development server streams SSE and holds
+    # long-polls without a thread, like uvicorn. Not daphne's own app: it imports Twisted in
+    # every process that sets Django up, and only runserver serves with it.
+    "runstate_project",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
