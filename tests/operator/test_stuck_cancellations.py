@@ -20,6 +20,7 @@ from coordination.states import TaskState
 from coordination.stuck_cancellations import MAINTENANCE, SIGNAL_USE, stuck_cancellations
 from tests.operator.test_dashboard import PANELS, text_of
 from tests.operator.test_metrics import scrape, value
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -102,9 +103,12 @@ def test_a_lease_run_out_without_the_sweep_is_maintenance(anon, admin_client, pr
     claim = claimed(project, jobs, worker_id="w-gone")
     task_cancel(project_id=project.id, task_id=claim.task.id)
     # The worker is gone and no sweep runs here: once the lease has run out, the task stays
-    # CANCELLATION_REQUESTED until the lease sweep records it.
-    while timezone.now() <= Task.objects.get(id=claim.task.id).lease_expires_at:
-        time.sleep(LEASE_TTL_MS / 10_000)
+    # CANCELLATION_REQUESTED until the lease sweep records it. It is stuck once its request is
+    # a lease TTL old, which comes after the lease (claimed, then cancelled) by as long as the
+    # cancel came after the claim: wait for both, not only for the lease.
+    task = Task.objects.get(id=claim.task.id)
+    stuck_from = max(task.lease_expires_at, task.cancel_requested_at + dt.timedelta(milliseconds=LEASE_TTL_MS))
+    wait_until(lambda: timezone.now() > stuck_from, what="the lease to run out and the request to be a TTL old")
     [stuck] = stuck_cancellations(timezone.now(), project.id)
     assert stuck.cause == MAINTENANCE
     assert value(scrape(anon), STUCK, project=project.name, mailbox="jobs") == 1
