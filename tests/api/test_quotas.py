@@ -21,6 +21,11 @@ def run(api):
     return api.post("/v1/runs", {}, format="json").json()
 
 
+def ms_since(started: float) -> int:
+    """Whole milliseconds since ``started`` (``time.monotonic()``), rounded up: the most a bucket refilled meanwhile."""
+    return int((time.monotonic() - started) * 1000) + 1
+
+
 def put(api, name="openai", limit=10, period_ms=60_000):
     return api.put(f"/v1/quotas/{name}", {"limit": limit, "periodMs": period_ms}, format="json")
 
@@ -41,11 +46,12 @@ def test_put_creates_a_full_bucket_then_changes_it(api):
 
 def test_takes_spend_the_bucket_then_refuse_with_retry_after(api, run):
     put(api, limit=3, period_ms=3_600_000)  # one token every 1,200,000 ms
+    started = time.monotonic()
     assert take(api, run).json() == {"granted": True, "remaining": 2}
     assert take(api, run, amount=2).json() == {"granted": True, "remaining": 0}
     error = err(take(api, run), 409, "QUOTA_EXHAUSTED")
-    # One token comes back after a third of the period, less the few ms since the last take.
-    assert 1_199_000 <= error["details"]["retryAfterMs"] <= 1_200_000
+    # One token comes back after a third of the period, less the time since the first take.
+    assert 1_200_000 - ms_since(started) <= error["details"]["retryAfterMs"] <= 1_200_000
     quota = Quota.objects.get(name="openai")
     events = Event.objects.filter(type="quota.exhausted")
     assert [(e.subject_id, e.run_id.hex, e.data["amount"]) for e in events] == [
@@ -55,9 +61,11 @@ def test_takes_spend_the_bucket_then_refuse_with_retry_after(api, run):
 
 def test_retry_after_is_when_the_amount_is_there(api, run):
     put(api, limit=10, period_ms=10_000)  # one token per second
+    started = time.monotonic()
     take(api, run, amount=10)
     retry_ms = err(take(api, run, amount=4), 409, "QUOTA_EXHAUSTED")["details"]["retryAfterMs"]
-    assert 3_900 <= retry_ms <= 4_000
+    # Four seconds, less what refilled between the two takes (however slow the machine).
+    assert 4_000 - ms_since(started) <= retry_ms <= 4_000
     quota = Quota.objects.get(name="openai")
     # Exactly: from the stored level, the wait the bucket's arithmetic gives, within a tick.
     level = quota_services.refilled_micro(quota, quota.level_at)
