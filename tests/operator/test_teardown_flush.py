@@ -20,6 +20,7 @@ from django.core.management.sql import sql_flush
 from django.db import OperationalError, connection
 
 from coordination.models import Project
+from tests import flush
 from tests.flush import FLUSH_TRIES, STATIC_TABLES, flush_retrying_deadlocks, flush_written_tables, lost_a_deadlock
 from tests.workers.live import test_database_url as database_url
 
@@ -166,3 +167,28 @@ def test_the_written_tables_flush_leaves_the_database_as_djangos_flush_does():
     assert {table: n for table, n in after.items() if n} == {table: before[table] for table in STATIC_TABLES}
     call_command("flush", verbosity=0, interactive=False)
     assert rows_by_table() == after
+
+
+def filenode(table: str) -> int:
+    """The table's file: TRUNCATE gives it a new one, DELETE keeps it."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_relation_filenode(%s::regclass)", [table])
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_the_flush_deletes_from_a_table_of_few_rows_and_truncates_one_of_many(monkeypatch):
+    from coordination.services.keys import project_ensure
+    from coordination.services.runs import run_create
+
+    monkeypatch.setattr(flush, "TRUNCATE_FROM_ROWS", 3)
+    project = project_ensure(name="few-and-many")
+    for n in range(3):  # three runs: "many"; one project: "few"
+        run_create(project_id=project.id, name=f"r{n}")
+    few, many = filenode("coordination_project"), filenode("coordination_run")
+
+    assert flush_written_tables("default") is True
+    assert {table: n for table, n in rows_by_table().items() if n and table not in STATIC_TABLES} == {}
+    assert filenode("coordination_project") == few, "a table of few rows is deleted from"
+    assert filenode("coordination_run") != many, "a table of many rows is truncated"
