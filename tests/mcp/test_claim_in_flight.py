@@ -57,8 +57,12 @@ class HoldingProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        # Without force_exit uvicorn waits for every request task, and one may still await
+        # an upstream long-poll that no client reads any more: the leaked thread held each
+        # test for the whole join timeout. Forced, the loop's close cancels those tasks.
+        self.server.should_exit = self.server.force_exit = True
+        self.thread.join(timeout=WAIT_S)
+        assert not self.thread.is_alive(), "the proxy did not stop"
 
     async def app(self, scope, receive, send) -> None:
         body, more = b"", True
