@@ -1,9 +1,10 @@
 """The flush after a transactional test: it empties what Django's flush empties, and survives a deadlock.
 
-``tests/conftest.py`` replaces Django's teardown flush on PostgreSQL by one that truncates only
-the tables a test wrote (``tests/flush.py``, ``flush_written_tables``), which must leave the
-database as Django's does, and wraps both (``flush_retrying_deadlocks``): a flush that
-PostgreSQL aborts as a deadlock's victim is tried again, and any other error propagates at once.
+``tests/conftest.py`` replaces Django's teardown flush on PostgreSQL by one that empties only
+the tables a test wrote (``tests/flush.py``, ``flush_written_tables``: deleting few rows,
+truncating many), which must leave the database as Django's does, and wraps both
+(``flush_retrying_deadlocks``): a flush that PostgreSQL aborts as a deadlock's victim is
+tried again, and any other error propagates at once.
 """
 
 import re
