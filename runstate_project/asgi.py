@@ -209,7 +209,8 @@ class ApiASGIHandler(ASGIHandler):
 
         A wait's shared answer (``SharedAnswerResponse``) has nothing left on a thread: its
         ``close`` (the request-finished signal: the connections and caches of the calling
-        thread, which the event loop's thread has none of) runs here. Everything else is
+        thread, which the event loop's thread has none of) runs here. An event stream's frames
+        are closed as soon as sending ends (Django closes only its own wrappers). Everything else is
         Django's: the request-started signal, the disconnect watch that cancels a wait whose
         client left, and ``close`` in a hop for any other response.
         """
@@ -231,7 +232,11 @@ class ApiASGIHandler(ASGIHandler):
             try:
                 await self.send_response(response, send)
             except asyncio.CancelledError:
-                pass  # the client left while it was sent
+                pass  # the client left while it was sent, or the event feed dropped the stream
+            finally:
+                frames = getattr(response, "frames", None)  # an event stream's (``sse.event_stream_response``)
+                if frames is not None:
+                    await frames.aclose()  # now, not when collected: it gives back its place in the feed
             return response
 
         tasks = [

@@ -8,6 +8,7 @@ only become readable once that one ends), and on SQLite, which has no NOTIFY, it
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -139,8 +140,14 @@ def releasing(frames: AsyncIterator[bytes], release: Callable[[], None]) -> Asyn
 
 
 def event_stream_response(frames: AsyncIterator[bytes]) -> StreamingHttpResponse:
-    """Wrap ``frames`` in an uncached ``text/event-stream`` response."""
+    """Wrap ``frames`` in an uncached ``text/event-stream`` response; ``response.frames`` are ``frames``.
+
+    Whoever sends the response closes ``frames`` once sending ends, however it ends (the
+    hot router, ``runstate_project.asgi``): Django closes only its own wrappers, so a stream
+    cancelled while it stood on a frame would keep its place and its feed until collected.
+    """
     response = StreamingHttpResponse(frames, content_type="text/event-stream")
+    response.frames = frames
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: pass frames on as they come
     return response
@@ -181,7 +188,7 @@ class _Entry:
 
 
 class _Stream:
-    """What the feed knows of one stream: where it is, and since when it waits for its reader to take a chunk."""
+    """What the feed knows of one stream: where it is, and since when it waits for its reader to take a frame."""
 
     __slots__ = ("position", "served", "stalled_since", "task")
 
@@ -190,6 +197,19 @@ class _Stream:
         self.served = False  # once taken from the buffer, it must keep up with it
         self.stalled_since: float | None = None
         self.task = asyncio.current_task()
+
+    @contextlib.contextmanager
+    def offering(self) -> Iterator[None]:
+        """Count the time until the reader takes the frame yielded inside as a stall.
+
+        Every frame, not only an event's: a stream stands on a keepalive as long as on an
+        event when its reader's socket is full.
+        """
+        self.stalled_since = asyncio.get_running_loop().time()
+        try:
+            yield
+        finally:
+            self.stalled_since = None
 
 
 class EventFeed:
@@ -200,7 +220,7 @@ class EventFeed:
     final (see ``selectors.event_list``), so a stream at a position the buffer covers takes
     the rest from the buffer; one further behind (resuming with an old ``Last-Event-ID``,
     or fallen behind) reads from the database on its own until it is covered. A stream
-    whose reader takes nothing of a chunk for ``stall_s()`` is dropped: its request is
+    whose reader takes nothing of a frame for ``stall_s()`` is dropped: its request is
     cancelled and the connection closed. A stream that was served from the buffer and fell
     out of it (its reader was slow) ends with a ``stream.dropped`` frame. Either way the
     client resumes with ``Last-Event-ID``, and other streams never wait for it.
@@ -369,11 +389,11 @@ async def feed_frames(
     a function of the module (not made per request), so that its frames are rendered once
     per event for every stream. Each wake-up sends what is new in one chunk.
     """
-    loop = asyncio.get_running_loop()
     stream = _Stream(selectors.event_position(after))
     feed = _feed_join(stream, project_id)
     try:
-        yield f"retry: {RECONNECT_MS}\n\n".encode()
+        with stream.offering():
+            yield f"retry: {RECONNECT_MS}\n\n".encode()
         await feed.started.wait()
         keepalive = Keepalive()
         while True:
@@ -381,7 +401,8 @@ async def feed_frames(
             if stream.served and not feed.covers(position, project_id):
                 # Fallen out of the buffer while its reader was slow: end the stream plainly.
                 # The client reconnects with Last-Event-ID (the frame has no id) and catches up.
-                yield frame(event_id=None, event_type=DROPPED, data={"reason": "slow_reader"})
+                with stream.offering():
+                    yield frame(event_id=None, event_type=DROPPED, data={"reason": "slow_reader"})
                 return
             if feed.covers(position, project_id):
                 stream.served = True
@@ -399,16 +420,16 @@ async def feed_frames(
                     stream.position = max(stream.position, read_past)
             if chunk:
                 for piece in pieces(chunk):
-                    stream.stalled_since = loop.time()
-                    yield piece
-                    stream.stalled_since = None
+                    with stream.offering():
+                        yield piece
                 keepalive.sent()
                 continue
             if behind:
                 continue
             remaining = keepalive.due_in_s()
             if remaining <= 0:
-                yield keepalive.comment()
+                with stream.offering():
+                    yield keepalive.comment()
                 continue
             await feed.wait_past(stream.position, remaining)
     finally:

@@ -31,7 +31,7 @@ from coordination.states import Permission
 from tests.api.test_hot_path import _cached_key, api_process, normalized  # noqa: F401 - the fixture
 from tests.api.test_hot_waits import UNKNOWN, WaitState, _key_id, cursors_hidden, fresh_wait_state
 from tests.api.test_process_cache import caches_on
-from tests.concurrency.test_coalesced_waits import asgi_request
+from tests.concurrency.test_coalesced_waits import STREAM_FRAMES, asgi_request, stream_held_on
 from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
@@ -368,3 +368,26 @@ def test_a_hot_stream_whose_client_leaves_gives_its_place_back_and_leaves_the_fe
     assert waits.waits_held(api_key_id=api_key_id) == 0
     assert feed_after is None  # its last stream left: the feed stopped
     assert not _complete(sent)  # ended by the client, not answered to the end
+
+
+@STREAM_FRAMES
+def test_a_hot_stream_whose_reader_stops_taking_at_any_frame_is_dropped(api_process, frame):  # noqa: F811
+    """The view's case in ``tests/concurrency/test_coalesced_waits.py``, answered by the hot path."""
+    api_process.RUNSTATE_SSE_HEARTBEAT_S = 0.05
+    api_process.RUNSTATE_SSE_STALL_S = 0.2
+    state = settled_wait_state()
+    api_key_id = _key_id(state.base.key)
+    served = hot.SERVED["EventStream"]
+
+    async def run():
+        await (await hot_db.pool()).wait(timeout=30)
+        try:
+            return await stream_held_on(frame, state.base.key)
+        finally:
+            await hot_db.close()
+
+    dropped, feed_after = asyncio.run(run())
+    assert hot.SERVED["EventStream"] == served + 1
+    assert dropped == 1
+    assert feed_after is None
+    assert waits.waits_held(api_key_id=api_key_id) == 0  # its place given back

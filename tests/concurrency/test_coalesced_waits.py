@@ -20,7 +20,8 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from coordination.api.longpoll import watches
-from coordination.api.sse import event_feed
+from coordination.api.sse import Keepalive, event_feed
+from coordination.api.waits import waits_held
 from coordination.models import Event
 from coordination.notify import CHANNEL, hub
 from coordination.selectors import event_cursor
@@ -202,6 +203,52 @@ def test_a_stream_whose_client_goes_away_leaves_no_feed_behind(project):
     during, after = asyncio.run(scenario())
     assert during == (1, 1)
     assert after == (None, 0)
+
+
+STREAM_FRAMES = pytest.mark.parametrize("frame", [b"retry:", Keepalive.COMMENT], ids=["its preamble", "a keepalive"])
+
+
+async def stream_held_on(frame: bytes, key: str) -> tuple[int, object]:
+    """Open a stream whose reader takes nothing from ``frame`` on; return the feed's drop count and the feed after.
+
+    The stream then waits in ``send`` on that frame, as a server's send waits for a full
+    socket to drain. Call with ``RUNSTATE_SSE_HEARTBEAT_S`` and ``RUNSTATE_SSE_STALL_S``
+    short.
+    """
+    never = asyncio.Event()
+
+    async def takes_nothing_from_the_frame(message):
+        if message.get("body", b"").startswith(frame):
+            await never.wait()
+
+    call, disconnect, sent = asgi_request("/v1/events/stream", "", key, send=takes_nothing_from_the_frame)
+    await until(lambda: any(m.get("body", b"").startswith(frame) for m in sent), what="the frame sent")
+    feed = event_feed()
+    try:
+        await until(lambda: feed.dropped == 1, what="the stream dropped")
+        # Its request ends, and the stream leaves the feed, which stops: no client going away is needed.
+        await asyncio.wait_for(call, WAIT_S)
+        return feed.dropped, event_feed()
+    finally:
+        disconnect.set()
+        await asyncio.wait_for(call, WAIT_S)
+
+
+@STREAM_FRAMES
+def test_a_reader_that_stops_taking_at_any_frame_is_dropped(project, settings, frame):
+    """A stream held on any frame its reader does not take is dropped, not only on an event's.
+
+    The loaded landing once saw a slow reader never dropped: its last chunk of events was
+    taken, the socket was then full, and the stream stood on the next keepalive, which did
+    not count as a stall. The hot path's twin is in ``tests/api/test_hot_stream.py``.
+    """
+    settings.RUNSTATE_SSE_HEARTBEAT_S = 0.05
+    settings.RUNSTATE_SSE_STALL_S = 0.2
+    issued = api_key_create(project_id=project.id, permissions=[Permission.COORDINATION_READ])
+    dropped, feed_after = asyncio.run(stream_held_on(frame, issued.plaintext))
+    assert dropped == 1
+    assert feed_after is None  # the dropped stream left the feed at once (not when collected): it stopped
+    assert waits_held(api_key_id=issued.api_key.id) == 0  # its place given back
 
 
 # A slow SSE reader -------------------------------------------------------------------------

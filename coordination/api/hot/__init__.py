@@ -224,7 +224,7 @@ class HotRouter:
             nonlocal sent
             response = await self._handler.respond(request)
             try:
-                frames = getattr(response, "hot_frames", None)
+                frames = getattr(response, "frames", None)
                 if frames is None:
                     await self.fallback.send_response(response, send)
                 else:

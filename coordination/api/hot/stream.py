@@ -71,9 +71,7 @@ class EventStream(Endpoint):
         finally:
             if not streaming:  # refused, or left to the view (which takes a place of its own)
                 place.release()
-        response = event_stream_response(frames)
-        response.hot_frames = frames  # the router writes them to ``send`` itself
-        return response
+        return event_stream_response(frames)  # the router writes its ``frames`` to ``send`` itself
 
 
 ENDPOINTS: dict[type, Endpoint] = {EventStream.view: EventStream()}
