@@ -8,7 +8,6 @@ only become readable once that one ends), and on SQLite, which has no NOTIFY, it
 """
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -190,26 +189,29 @@ class _Entry:
 class _Stream:
     """What the feed knows of one stream: where it is, and since when it waits for its reader to take a frame."""
 
-    __slots__ = ("position", "served", "stalled_since", "task")
+    __slots__ = ("_clock", "position", "served", "stalled_since", "task")
 
     def __init__(self, position: Position) -> None:
         self.position = position
         self.served = False  # once taken from the buffer, it must keep up with it
         self.stalled_since: float | None = None
         self.task = asyncio.current_task()
+        self._clock = asyncio.get_running_loop().time
 
-    @contextlib.contextmanager
-    def offering(self) -> Iterator[None]:
-        """Count the time until the reader takes the frame yielded inside as a stall.
+    def offering(self) -> "_Stream":
+        """Return a context in which the time until the reader takes the frame yielded is a stall.
 
         Every frame, not only an event's: a stream stands on a keepalive as long as on an
-        event when its reader's socket is full.
+        event when its reader's socket is full. (A context of its own, not a generator's:
+        it is entered for every frame of every stream.)
         """
-        self.stalled_since = asyncio.get_running_loop().time()
-        try:
-            yield
-        finally:
-            self.stalled_since = None
+        return self
+
+    def __enter__(self) -> None:
+        self.stalled_since = self._clock()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stalled_since = None
 
 
 class EventFeed:
