@@ -32,9 +32,11 @@ transaction mode (``RUNSTATE_DB_POOLER=transaction``) a LISTEN through the pool 
 on to no server session, so ``RUNSTATE_LISTEN_DATABASE_URL`` then routes it to PostgreSQL
 directly (``listen_params``; docs/deploy.md, "Behind PgBouncer").
 
-The same connection listens on ``process_cache.CHANNEL`` for changed API keys and mailboxes;
-the listener that ``start_cache_listener`` picks (the API's loop, or a loop of its own in a
-process without one) feeds ``coordination/process_cache.py``.
+The same connection listens on ``CACHE_CHANNEL`` for changed cached rows (API keys and
+mailboxes): the listener that ``start_cache_listener`` picks (the API's loop, or a loop of its
+own in a process without one) hands them to the ``CacheFeed`` it was given
+(``coordination/process_cache.py`` gives its own): the caches sit above their
+notifications, and this module knows them only by that feed.
 """
 
 import asyncio
@@ -44,19 +46,32 @@ import logging
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import connections
 
-from coordination import process_cache
-
 logger = logging.getLogger(__name__)
 
 CHANNEL = "runstate"
+CACHE_CHANNEL = "runstate_cache"  # changed cached rows (migration 0009's triggers)
 ANY_TOPIC = "*"  # woken by every event (event-log readers)
 SQLITE_POLL_S = 0.05
-_connections_made = itertools.count(1)  # the epoch of each LISTEN connection, for process_cache
+_connections_made = itertools.count(1)  # the epoch of each LISTEN connection, for the cache feed
+
+
+@dataclass(frozen=True)
+class CacheFeed:
+    """Where ``start_cache_listener`` sends the LISTEN connection's news, on its loop.
+
+    ``on_listening(epoch)``: the connection came up as ``epoch`` (None: it went down, and
+    notifications sent meanwhile are lost). ``on_notification(payload)``: a ``CACHE_CHANNEL``
+    notification arrived.
+    """
+
+    on_listening: Callable[[int | None], None]
+    on_notification: Callable[[str], None]
 
 
 class Waiter:
@@ -90,7 +105,7 @@ class _LoopListener:
         self.task: asyncio.Task | None = None
         self.conn = None
         self.epoch: int | None = None  # while connected
-        self.serves_cache = False  # feeds process_cache (start_cache_listener)
+        self.cache_feed: CacheFeed | None = None  # start_cache_listener's
 
     def ensure_task(self) -> None:
         if self.task is None or self.task.done():
@@ -117,7 +132,7 @@ class _LoopListener:
         while True:
             try:
                 conn = await psycopg.AsyncConnection.connect(**listen_params(), autocommit=True)
-                await conn.execute(f"LISTEN {process_cache.CHANNEL}")
+                await conn.execute(f"LISTEN {CACHE_CHANNEL}")
                 await conn.execute(f"LISTEN {CHANNEL}")  # last: pg_stat_activity shows it (tests look)
             except Exception:  # noqa: BLE001 - keep trying; waiters fall back to rechecks
                 logger.warning("LISTEN connection failed; retrying in %.1fs", backoff, exc_info=True)
@@ -127,8 +142,8 @@ class _LoopListener:
             backoff = 0.1
             self.conn = conn
             self.epoch = next(_connections_made)
-            if self.serves_cache:
-                process_cache.on_listening(self.epoch)
+            if self.cache_feed is not None:
+                self.cache_feed.on_listening(self.epoch)
             # Wake first, then announce: a waiter resuming from ready() already has its wake-up.
             self.wake_all()
             self.listening.set()
@@ -136,13 +151,13 @@ class _LoopListener:
                 async for notify in conn.notifies():
                     if notify.channel == CHANNEL:
                         self.dispatch(notify.payload)
-                    elif self.serves_cache:
-                        process_cache.on_notification(notify.payload)
+                    elif self.cache_feed is not None:
+                        self.cache_feed.on_notification(notify.payload)
             except Exception:  # noqa: BLE001 - reconnect below
                 logger.warning("LISTEN connection lost; reconnecting", exc_info=True)
             finally:
-                if self.serves_cache:
-                    process_cache.on_listening(None)
+                if self.cache_feed is not None:
+                    self.cache_feed.on_listening(None)
                 self.epoch = None
                 self.listening.clear()
                 self.conn = None
@@ -214,22 +229,22 @@ class NotificationHub:
                 if not waiters:
                     del by_topic[topic]
 
-    def start_cache_listener(self) -> None:
-        """Feed ``process_cache`` from a LISTEN connection: the running loop's, or one on a loop of its own."""
+    def start_cache_listener(self, feed: CacheFeed) -> None:
+        """Feed ``feed`` from a LISTEN connection: the running loop's, or one on a loop of its own."""
         if not self.enabled():
             return
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            self._background_loop().call_soon_threadsafe(self._serve_cache)
+            self._background_loop().call_soon_threadsafe(self._serve_cache, feed)
         else:
-            self._serve_cache()
+            self._serve_cache(feed)
 
-    def _serve_cache(self) -> None:
+    def _serve_cache(self, feed: CacheFeed) -> None:
         listener = self._listener()
-        listener.serves_cache = True
+        listener.cache_feed = feed
         if listener.epoch is not None:
-            process_cache.on_listening(listener.epoch)
+            feed.on_listening(listener.epoch)
         listener.ensure_task()
 
     def _background_loop(self) -> asyncio.AbstractEventLoop:

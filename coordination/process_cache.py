@@ -41,7 +41,8 @@ from typing import Any
 
 from django.conf import settings
 
-CHANNEL = "runstate_cache"
+from coordination.notify import CacheFeed, hub
+
 ALL = "*"
 MAX_ENTRIES = 10_000  # per cache; a full cache starts again rather than evicting one by one
 
@@ -162,12 +163,10 @@ def enable() -> bool:
 
     Starts the LISTEN connection; the caches serve once it is up.
     """
-    from coordination.notify import hub
-
     _state.ttl_s = float(settings.RUNSTATE_PROCESS_CACHE_S)
     _state.enabled = _state.ttl_s > 0 and hub.enabled()
     if _state.enabled:
-        hub.start_cache_listener()
+        hub.start_cache_listener(CacheFeed(on_listening, on_notification))
     return _state.enabled
 
 
