@@ -21,9 +21,16 @@ from coordination import exceptions
 from coordination.group_rules import GroupCounts, MemberFacts, decide, member_counts
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
-from coordination.services import dispatch, sql
-from coordination.services.cascade import SubtreeEnd, cascade_step
-from coordination.services.events import EVENT_COLUMNS, TXID_SQL, event_row, events_record_many
+from coordination.services import dispatch, sql, task_transitions
+from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, cascade_step
+from coordination.services.events import (
+    EVENT_COLUMNS,
+    TXID_SQL,
+    event_for,
+    event_insert_sql,
+    event_row,
+    events_record_many,
+)
 from coordination.services.locking import (
     LockMode,
     chain_refusal,
@@ -34,6 +41,7 @@ from coordination.services.locking import (
 )
 from coordination.services.retry import GroupDue, retrying
 from coordination.services.runs import run_create, run_end
+from coordination.services.task_insert import task_insert
 from coordination.states import (
     TASK_TERMINAL,
     TASK_UNFINISHED,
@@ -214,8 +222,6 @@ def _finalize(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: date
 
 
 def _finalize_in_span(locked: LockedGroup, outcome: GroupOutcome, reason: str, now: datetime) -> None:
-    from coordination.services.tasks import tasks_cancel_group_members
-
     group, gate = locked.group, locked.gate
     group.state = GroupState.FINALIZED
     group.outcome = outcome
@@ -251,7 +257,38 @@ def _finalize_in_span(locked: LockedGroup, outcome: GroupOutcome, reason: str, n
             locked_chain=locked.chain,
         )
     # Members joined from elsewhere live on other runs: cancel them too.
-    tasks_cancel_group_members(group_id=group.id, reason=f"group_{reason}", now=now)
+    _cancel_unfinished_members(group_id=group.id, reason=f"group_{reason}", now=now)
+
+
+# A finalizing group's unfinished members, wherever they live, in one statement: locked in id
+# order (the lock order among task rows), cancelled, and their events written by the same
+# data-modifying CTE (``subtree_rows_end`` does the same for a subtree).
+CANCEL_GROUP_MEMBERS_SQL = f"""
+WITH ended AS (
+    UPDATE coordination_task AS t
+    SET {task_transitions.CANCEL_SET_SQL}
+    WHERE t.id = ANY(ARRAY(
+        SELECT id FROM coordination_task
+        WHERE group_id = %(group_id)s AND state IN {task_transitions.UNFINISHED_SQL}
+        ORDER BY id FOR UPDATE))
+    RETURNING t.id, t.project_id, t.run_id, t.run_path
+)
+{event_insert_sql("ended", type_sql="'task.cancelled'", data_sql=END_EVENT_DATA_SQL)}
+"""
+
+
+def _cancel_unfinished_members(*, group_id: uuid.UUID, reason: str, now: datetime) -> None:
+    """Cancel a finalizing group's unfinished members wherever they live (group already locked)."""
+    if sql.fast_paths_enabled():
+        with connection.cursor() as cursor:
+            params = {"group_id": group_id, "reason": reason, "cause": "group_finalized", "now": now}
+            cursor.execute(CANCEL_GROUP_MEMBERS_SQL, params)
+        return
+    members = list(Task.objects.filter(group_id=group_id, state__in=TASK_UNFINISHED).order_by("id").select_for_update())
+    if not members:
+        return
+    task_transitions.cancel_many([t.id for t in members], now=now, reason=reason)
+    events_record_many([event_for(task, "task.cancelled", reason=reason, cause="group_finalized") for task in members])
 
 
 # A group's decision and its ``group.finalized`` event, one statement (the careful path's
@@ -371,8 +408,6 @@ def group_submit(
     answer the existing member, even after close. The submit that reaches ``expectedMembers``
     closes the group in this transaction.
     """
-    from coordination.services.tasks import task_insert
-
     locked = group_lock(group_id=group_id, project_id=project_id)
     group, gate = locked.group, locked.gate
     if key is not None:

@@ -13,21 +13,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from coordination import exceptions
 from coordination.ids import path_ids
 from coordination.models import Mailbox, Run, Task, TaskGroup
 from coordination.services import dispatch, sql, task_transitions
-from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, cascade_step
+from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.groups import LockedGroup, group_evaluate, group_lock, group_submit
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_refusal, run_chain_lock_active
 from coordination.services.mailboxes import validate_max_attempts
 from coordination.services.retry import GroupMembershipChanged, retrying
 from coordination.services.sql import fast_paths_enabled
-from coordination.states import TASK_TERMINAL, TASK_UNFINISHED, MailboxMode, TaskState
+from coordination.services.task_insert import task_insert
+from coordination.states import TASK_TERMINAL, MailboxMode, TaskState
 from coordination.tracing import NO_TRACE, TraceContext
 
 
@@ -473,46 +474,6 @@ def _task_submit(
     return task, True
 
 
-def task_insert(
-    *,
-    project_id: uuid.UUID,
-    mailbox: Mailbox,
-    chain: list[Run],
-    input: object,
-    key: str | None = None,
-    priority: int = 0,
-    max_attempts: int | None = None,
-    expires_at: datetime | None = None,
-    group: TaskGroup | None = None,
-    now: datetime | None = None,
-    trace: TraceContext = NO_TRACE,
-) -> Task:
-    """Insert a task on the last run of ``chain``, whose locks the caller holds, and its event."""
-    now = now or timezone.now()
-    run = chain[-1]
-    task = Task(
-        project_id=project_id,
-        mailbox=mailbox,
-        run_id=run.id,
-        run_path=run.path,
-        run_deadline=min((r.deadline for r in chain if r.deadline is not None), default=None),
-        key=key,
-        input=input,
-        priority=priority,
-        max_attempts=max_attempts or mailbox.max_attempts,
-        expires_at=expires_at,
-        group=group,
-        created_at=now,
-        available_at=now,
-        traceparent=trace.traceparent,
-        tracestate=trace.tracestate,
-    )
-    dispatch.work_submitted(task, mailbox)
-    task.save(force_insert=True)
-    record(task, "task.submitted", mailbox=mailbox.name, key=key, groupId=str(group.id) if group else None)
-    return task
-
-
 def _task_with_key(mailbox: Mailbox, run_id: uuid.UUID, key: str, input: object) -> Task | None:
     """Return the task submitted before with ``key`` (None if none), sending its wake-up again while it is queued."""
     existing = Task.objects.filter(mailbox=mailbox, run_id=run_id, key=key).first()
@@ -580,37 +541,6 @@ def task_cancel(
         record(task, "task.cancellation_requested", reason=reason, graceMs=grace_ms)
     after_change(task, locked_group, now)
     return task
-
-
-# A finalizing group's unfinished members, wherever they live, in one statement: locked in id
-# order (the lock order among task rows), cancelled, and their events written by the same
-# data-modifying CTE (``subtree_rows_end`` does the same for a subtree).
-CANCEL_GROUP_MEMBERS_SQL = f"""
-WITH ended AS (
-    UPDATE coordination_task AS t
-    SET {task_transitions.CANCEL_SET_SQL}
-    WHERE t.id = ANY(ARRAY(
-        SELECT id FROM coordination_task
-        WHERE group_id = %(group_id)s AND state IN {task_transitions.UNFINISHED_SQL}
-        ORDER BY id FOR UPDATE))
-    RETURNING t.id, t.project_id, t.run_id, t.run_path
-)
-{event_insert_sql("ended", type_sql="'task.cancelled'", data_sql=END_EVENT_DATA_SQL)}
-"""
-
-
-def tasks_cancel_group_members(*, group_id: uuid.UUID, reason: str, now: datetime) -> None:
-    """Cancel a finalizing group's unfinished members wherever they live (group already locked)."""
-    if fast_paths_enabled():
-        with connection.cursor() as cursor:
-            params = {"group_id": group_id, "reason": reason, "cause": "group_finalized", "now": now}
-            cursor.execute(CANCEL_GROUP_MEMBERS_SQL, params)
-        return
-    members = list(Task.objects.filter(group_id=group_id, state__in=TASK_UNFINISHED).order_by("id").select_for_update())
-    if not members:
-        return
-    task_transitions.cancel_many([t.id for t in members], now=now, reason=reason)
-    events_record_many([event_for(task, "task.cancelled", reason=reason, cause="group_finalized") for task in members])
 
 
 # Run cascade -----------------------------------------------------------------------------
