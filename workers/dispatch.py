@@ -1,7 +1,13 @@
 """Send wake-up messages to Celery workers after commit; the database stays the truth.
 
 A message that cannot be sent (broker down, no worker) only costs lateness: the periodic
-sweeps act on everything due within about a second anyway.
+sweeps act on everything due within about a second anyway, and two of them, here beside
+what they send again, re-send the wake-ups a far ETA skipped or a lost message took away
+(``runstate.dispatch_upcoming_timers``, ``runstate.rewake_unclaimed_work``).
+
+This module is the services' waker (``coordination.services.dispatch.Waker``; registered
+by ``workers.apps``). It sends ``workers.tasks``' on-time tasks and finds the decorated task
+of a mailbox in ``workers.registry``; neither imports it.
 """
 
 import functools
@@ -11,9 +17,13 @@ import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 
+from celery import shared_task
 from django.conf import settings
-from django.db import transaction
+from django.db import close_old_connections, transaction
 from django.utils import timezone
+
+from workers.registry import registry
+from workers.tasks import fire_timer, sweep_run_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +79,6 @@ def _timer_wake_release(bucket: int) -> None:
 
 def dispatch_timer(timer_id: uuid.UUID, fire_at: datetime) -> None:
     """Ask a worker to fire ``timer_id`` at ``fire_at``, or by the end of its bucket with the others due then."""
-    from workers.tasks import fire_timer
-
     bucket = (fire_at - _EPOCH) // TIMER_WAKE_BUCKET
     sent = _timer_wake_reserve(bucket)
     if sent is None:
@@ -83,9 +91,25 @@ def dispatch_timer(timer_id: uuid.UUID, fire_at: datetime) -> None:
 
 def dispatch_run_deadline(run_id: uuid.UUID, deadline: datetime) -> None:
     """Ask a worker to sweep ``run_id``'s subtree at ``deadline``."""
-    from workers.tasks import sweep_run_deadline
-
     _send(sweep_run_deadline, [str(run_id)], deadline)
+
+
+@shared_task(name="runstate.dispatch_upcoming_timers", ignore_result=True)
+def dispatch_upcoming_timers() -> int:
+    """Send ETA wake-ups for armed timers coming due within the horizon (far timers skipped them)."""
+    from coordination.models import Timer
+    from coordination.states import TimerState
+
+    close_old_connections()
+    now = timezone.now()
+    upcoming = Timer.objects.filter(
+        state=TimerState.ARMED, fire_at__gt=now, fire_at__lte=now + timedelta(seconds=settings.RUNSTATE_ETA_HORIZON_S)
+    ).values_list("id", "fire_at")
+    count = 0
+    for timer_id, fire_at in upcoming.iterator():
+        dispatch_timer(timer_id, fire_at)
+        count += 1
+    return count
 
 
 # Work of mailboxes bound to decorated tasks (workers.decorators) ---------------------------
@@ -142,8 +166,6 @@ def accept_submitted(task, mailbox):
     written. The caller sends the returned wake-up once the task is committed. A mailbox no
     decorated task is bound to costs a set lookup and returns None.
     """
-    from workers.decorators import registry
-
     bound = registry.for_mailbox(mailbox.id, mailbox.name)
     if bound is None:
         return None
@@ -154,7 +176,6 @@ def accept_submitted(task, mailbox):
 def dispatch_requeued_on_commit(task) -> None:
     """Send the message of a task that went back to ``QUEUED`` in a bound mailbox, after commit."""
     from coordination.models import Task
-    from workers.decorators import registry
 
     if not registry:
         return
@@ -162,3 +183,22 @@ def dispatch_requeued_on_commit(task) -> None:
     bound = registry.for_mailbox(task.mailbox_id, name)
     if bound is not None:
         transaction.on_commit(functools.partial(send_work, bound, task.id, task.available_at))
+
+
+@shared_task(name="runstate.rewake_unclaimed_work", ignore_result=True)
+def rewake_unclaimed_work() -> int:
+    """Send again the messages of bound tasks left claimable too long (a broker outage or a killed worker lost them).
+
+    Only the mailboxes bound in this process are looked at, so every worker should import
+    every decorated task module (docs/deploy.md). One batch per run: a deep backlog is
+    re-announced gradually, never all at once.
+    """
+    from coordination.services.sweeps import tasks_rewake_unclaimed
+
+    close_old_connections()
+    if not registry:
+        return 0
+    mailbox_ids = registry.mailbox_ids()
+    if not mailbox_ids:
+        return 0
+    return tasks_rewake_unclaimed(mailbox_ids=mailbox_ids, unclaimed_for=timedelta(seconds=rewake_after_s()))

@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
@@ -53,9 +53,7 @@ from coordination.services.claims import (
 from coordination.states import TaskState
 from runstate._tracing import ProcessSpan, in_span, leave, process_span
 from runstate_project.postgresql.base import read_only_server
-
-if TYPE_CHECKING:
-    from workers.decorators import RunstateTask
+from workers.registry import BoundTask
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +330,7 @@ async def _run_async(fn, ctx: TaskContext, kwargs: dict[str, Any]):
         ctx._clear_callbacks()
 
 
-def _run_handler(bound: RunstateTask, ctx: TaskContext) -> Any:
+def _run_handler(bound: BoundTask, ctx: TaskContext) -> Any:
     kwargs = bound.kwargs_for(ctx.input)
     if bound.is_async:
         return asyncio.run(_run_async(bound.fn, ctx, kwargs))
@@ -349,7 +347,7 @@ def _handler_error(error: BaseException) -> dict[str, Any]:
     }
 
 
-def _soft_time_limit_error(bound: RunstateTask, request) -> dict[str, Any]:
+def _soft_time_limit_error(bound: BoundTask, request) -> dict[str, Any]:
     # Celery's request carries (hard, soft) when the limits were given per message.
     limits = getattr(request, "timelimit", None) or (None, None)
     seconds = limits[1] or getattr(bound.celery_task, "soft_time_limit", None)
@@ -360,7 +358,7 @@ def _soft_time_limit_error(bound: RunstateTask, request) -> dict[str, Any]:
     }
 
 
-def execute(bound: RunstateTask, task_id: str, request=None) -> str:
+def execute(bound: BoundTask, task_id: str, request=None) -> str:
     """Handle one delivery of ``task_id``; return what happened (for logs): a task state or why nothing was done.
 
     The worker keeps its database connection from task to task (``runstate_project.celery``);
@@ -408,7 +406,7 @@ def execute(bound: RunstateTask, task_id: str, request=None) -> str:
 
 
 def _work(
-    bound: RunstateTask, ctx: TaskContext, claim: NarrowClaim, project_id: uuid.UUID, request, trace: ProcessSpan
+    bound: BoundTask, ctx: TaskContext, claim: NarrowClaim, project_id: uuid.UUID, request, trace: ProcessSpan
 ) -> str:
     lease_ttl_ms = bound.lease_ttl_ms or claim.lease_ttl_ms
     heartbeat = renewer()
@@ -485,7 +483,7 @@ def _through_outages(call):
             pause = min(max(pause * 2, RECONNECT_PAUSE_S), RECONNECT_PAUSE_MAX_S)
 
 
-def _record(bound: RunstateTask, ctx: TaskContext, project_id: uuid.UUID, outcome: Any, error: dict | None) -> str:
+def _record(bound: BoundTask, ctx: TaskContext, project_id: uuid.UUID, outcome: Any, error: dict | None) -> str:
     if ctx.lost is not None:
         logger.info(
             "%s: task %s attempt %s stopped, nothing recorded: %s", bound.name, ctx.task_id, ctx.attempt, ctx.lost
@@ -528,7 +526,7 @@ def _release(project_id: uuid.UUID, ctx: TaskContext) -> None:
         logger.warning("could not release %s; its lease will expire", ctx.claim_id, exc_info=True)
 
 
-def _wake_later_if_early(bound: RunstateTask, task_id: str) -> None:
+def _wake_later_if_early(bound: BoundTask, task_id: str) -> None:
     """Send the message again for ``available_at`` when it came early (a retry delay, clock skew)."""
     from django.utils import timezone
 

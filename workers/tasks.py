@@ -9,7 +9,6 @@ import uuid
 from datetime import datetime, timedelta
 
 from celery import shared_task
-from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
@@ -116,25 +115,6 @@ def sweep_deadlines() -> int:
     return _drain(runs_sweep_deadlines) + _drain(groups_finalize_due) + _drain(tasks_expire_queued)
 
 
-@shared_task(name="runstate.dispatch_upcoming_timers", ignore_result=True)
-def dispatch_upcoming_timers() -> int:
-    """Send ETA wake-ups for armed timers coming due within the horizon (far timers skipped them)."""
-    from coordination.models import Timer
-    from coordination.states import TimerState
-    from workers.dispatch import dispatch_timer
-
-    close_old_connections()
-    now = timezone.now()
-    upcoming = Timer.objects.filter(
-        state=TimerState.ARMED, fire_at__gt=now, fire_at__lte=now + timedelta(seconds=settings.RUNSTATE_ETA_HORIZON_S)
-    ).values_list("id", "fire_at")
-    count = 0
-    for timer_id, fire_at in upcoming.iterator():
-        dispatch_timer(timer_id, fire_at)
-        count += 1
-    return count
-
-
 @shared_task(name="runstate.prune_events", ignore_result=True)
 def prune_events() -> int:
     """Keep the event log's partitions ahead of time, then prune events past the retention setting.
@@ -148,24 +128,3 @@ def prune_events() -> int:
     close_old_connections()
     event_partitions_create_ahead()
     return _drain(events_prune, budget_s=30)
-
-
-@shared_task(name="runstate.rewake_unclaimed_work", ignore_result=True)
-def rewake_unclaimed_work() -> int:
-    """Send again the messages of bound tasks left claimable too long (a broker outage or a killed worker lost them).
-
-    Only the mailboxes bound in this process are looked at, so every worker should import
-    every decorated task module (docs/deploy.md). One batch per run: a deep backlog is
-    re-announced gradually, never all at once.
-    """
-    from coordination.services.sweeps import tasks_rewake_unclaimed
-    from workers.decorators import registry
-    from workers.dispatch import rewake_after_s
-
-    close_old_connections()
-    if not registry:
-        return 0
-    mailbox_ids = registry.mailbox_ids()
-    if not mailbox_ids:
-        return 0
-    return tasks_rewake_unclaimed(mailbox_ids=mailbox_ids, unclaimed_for=timedelta(seconds=rewake_after_s()))

@@ -43,7 +43,7 @@ from tests.reliability.ledger import Ledger, Services
 from tests.sdk.conftest import server_env, wait_for_quiet_server
 from tests.waiting import wait_until
 from tests.workers.live import ROOT, TEST_BROKER_URL, beat_command, child_env, purge_broker
-from workers.decorators import registry
+from workers.registry import registry
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 

@@ -17,7 +17,7 @@ from tests.tracing.conftest import attributes, one
 from tests.waiting import wait_until
 from tests.workers.celery_tasks import read_notes
 from tests.workers.test_decorator_live import BROKER_URL, Cluster, worker_command
-from workers.decorators import registry
+from workers.registry import registry
 
 pytestmark = [
     pytest.mark.postgres_only,

@@ -21,8 +21,8 @@ from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_submit
 from tests.conftest import make_client
 from workers import TaskCancelled, runstate_task
-from workers.decorators import registry
 from workers.dispatch import send_work
+from workers.registry import registry
 from workers.runtime import execute
 
 pytestmark = pytest.mark.django_db

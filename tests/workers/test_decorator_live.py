@@ -31,8 +31,8 @@ from tests.waiting import wait_until
 from tests.workers import celery_tasks as ct
 from tests.workers.celery_tasks import read_notes
 from tests.workers.live import ROOT, beat_command, child_env
-from workers.decorators import registry
 from workers.dispatch import send_work
+from workers.registry import registry
 
 BROKER_URL = settings.CELERY_BROKER_URL
 

@@ -9,7 +9,7 @@ from coordination.services.runs import run_create
 from tests.api.test_process_cache import committed_elsewhere
 from tests.waiting import wait_until
 from workers import decorators, runstate_task
-from workers.decorators import registry
+from workers.registry import registry
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
