@@ -31,7 +31,7 @@ class AsyncScope:
         self.timers = AsyncTimers(http, run_id)
         self.tasks = AsyncTasks(http, run_id)
         self.messages = AsyncMessages(http, run_id)
-        self.admissions = AsyncAdmissions(http, run_id)
+        self.admissions = AsyncAdmissions(http, run_id, AsyncScope)
         self.budgets = AsyncBudgets(http, run_id)
 
     def __repr__(self) -> str:

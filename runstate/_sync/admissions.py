@@ -1,19 +1,23 @@
 # Generated from runstate/_async/admissions.py by sdk/unasync.py: edit that file, then regenerate.
-"""Admissions: ``run.admissions`` (room for at most ``maxActive`` child runs at once) and their handles."""
+"""Admissions: ``run.admissions`` (room for at most ``maxActive`` child runs at once) and their handles.
+
+An admitted child run is answered as a run handle, which the runs module makes: it hands its
+own constructor in (``open_run``), as it holds ``run.admissions``, so this module needs
+nothing of it and ``RunHandle`` is whatever that constructor returns (``Scope``).
+"""
 
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from time import monotonic
-from typing import TYPE_CHECKING
 
 from runstate._config import MAX_SERVER_WAIT_MS, JsonDict, compact, segment, wire_time
 from runstate._sync.http import Http
 
-if TYPE_CHECKING:
-    from runstate._sync.runs import Scope
+type OpenRun[RunHandle] = Callable[[Http, str, JsonDict], RunHandle]
 
 
-class Admission:
+class Admission[RunHandle]:
     """A handle on an admission; ``data`` is the admission as last seen.
 
     ``state`` is ``WAITING``, ``ADMITTED``, ``WITHDRAWN`` or ``CANCELLED``; ``position`` the
@@ -26,10 +30,12 @@ class Admission:
         admission_id: str,
         data: JsonDict | None = None,
         *,
+        open_run: OpenRun[RunHandle],
         parent_id: str | None = None,
         key: str | None = None,
     ) -> None:
         self._http = http
+        self._open_run = open_run
         self.id = admission_id
         self.data = data
         self._parent_id = parent_id or (data or {}).get("parentRunId")
@@ -49,12 +55,10 @@ class Admission:
         return (self.data or {}).get("position")
 
     @property
-    def run(self) -> "Scope | None":
+    def run(self) -> RunHandle | None:
         """Return a handle on the admitted child run, ``None`` until admitted."""
-        from runstate._sync.runs import Scope  # runs imports this module
-
         run = (self.data or {}).get("run")
-        return Scope(self._http, run["id"], run) if run else None
+        return self._open_run(self._http, run["id"], run) if run else None
 
     def status(self) -> JsonDict:
         """Return the admission (``GET /admissions/{id}``)."""
@@ -63,7 +67,7 @@ class Admission:
         self.key = self.data.get("key")
         return self.data
 
-    def wait(self, wait_ms: int | None = 30_000) -> "Admission":
+    def wait(self, wait_ms: int | None = 30_000) -> "Admission[RunHandle]":
         """Wait in line until admitted, at most ``wait_ms`` (``None``: no limit); return this admission.
 
         Still waiting after ``wait_ms``: ``state`` stays ``WAITING`` (the request keeps its
@@ -96,20 +100,21 @@ class Admission:
         return self.data
 
 
-class Admissions:
+class Admissions[RunHandle]:
     """``run.admissions``: ask for room for a child run of this run, and set the limit."""
 
-    def __init__(self, http: Http, run_id: str) -> None:
+    def __init__(self, http: Http, run_id: str, open_run: OpenRun[RunHandle]) -> None:
         self._http = http
         self._run_id = run_id
+        self._open_run = open_run
 
     @property
     def _path(self) -> str:
         return f"/runs/{segment(self._run_id)}"
 
-    def get(self, admission_id: str) -> Admission:
+    def get(self, admission_id: str) -> Admission[RunHandle]:
         """Return a handle on the admission (no request)."""
-        return Admission(self._http, admission_id, parent_id=self._run_id)
+        return Admission(self._http, admission_id, open_run=self._open_run, parent_id=self._run_id)
 
     def configure(self, *, max_active: int) -> JsonDict:
         """Let at most ``max_active`` admitted children of the run be active at once (needs ``resource_config``)."""
@@ -130,7 +135,7 @@ class Admissions:
         key: str | None = None,
         wait_ms: int = 0,
         deadline: datetime | str | None = None,
-    ) -> Admission:
+    ) -> Admission[RunHandle]:
         """Ask for a child run: admitted at once when there is room and nobody waits, else in line.
 
         With ``wait_ms`` wait up to that long in line (longer waits loop over the server's
@@ -147,7 +152,9 @@ class Admissions:
             json=compact(name=name, key=key, waitMs=chunk_ms, deadline=wire_time(deadline)),
             wait_ms=chunk_ms,
         )
-        admission = Admission(self._http, data["admissionId"], data, parent_id=self._run_id, key=key)
+        admission = Admission(
+            self._http, data["admissionId"], data, open_run=self._open_run, parent_id=self._run_id, key=key
+        )
         if admission.state == "WAITING" and wait_ms > chunk_ms:
             admission.wait(wait_ms - chunk_ms)
         return admission

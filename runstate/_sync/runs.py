@@ -32,7 +32,7 @@ class Scope:
         self.timers = Timers(http, run_id)
         self.tasks = Tasks(http, run_id)
         self.messages = Messages(http, run_id)
-        self.admissions = Admissions(http, run_id)
+        self.admissions = Admissions(http, run_id, Scope)
         self.budgets = Budgets(http, run_id)
 
     def __repr__(self) -> str:
