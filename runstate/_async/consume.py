@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runstate._async.http import AsyncHttp
+from runstate._async.work import AsyncTasks
 from runstate._worker import (
     AsyncTaskContext,
     ConsumeSummary,
@@ -47,6 +48,7 @@ class AsyncWorker:
             http,
             run_id,
             mailbox,
+            tasks=AsyncTasks(http, run_id),
             make_context=AsyncTaskContext,
             start_handler=self._start,
             concurrency=concurrency,

@@ -6,15 +6,19 @@ record methods (``runstate._worker.Holder``), so a held claim ends as ``consume`
 it for one task.
 """
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from runstate._async.http import AsyncHttp
 from runstate._tracing import ProcessSpan, in_span, leave
-from runstate._worker import AsyncHoldContext, Holder
-
-if TYPE_CHECKING:
-    from runstate._async.work import AsyncClaim
+from runstate._worker import AsyncHoldContext, Claim, Holder, Tasks
 
 __all__ = ["AsyncHold", "AsyncHoldContext"]
+
+
+class HeldClaim(Claim, Protocol):
+    """The claim a hold renews (``AsyncClaim``, whose ``hold()`` makes one): the engine's ``Claim`` and its client."""
+
+    _http: AsyncHttp
 
 
 class AsyncHold:
@@ -37,10 +41,14 @@ class AsyncHold:
       (``LeaseLostError``, ``ScopeCancelledError``...) is raised from the ``async with``.
     """
 
-    def __init__(self, claim: "AsyncClaim", *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> None:
+    def __init__(
+        self, claim: HeldClaim, tasks: Tasks, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3
+    ) -> None:
         self.claim = claim
         self.ctx = AsyncHoldContext(claim)
-        self._holder = Holder(claim._http, claim, self.ctx, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
+        self._holder = Holder(
+            claim._http, claim, self.ctx, tasks, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction
+        )
         self._token = None  # the process span made current for the block
 
     def __repr__(self) -> str:

@@ -2,8 +2,9 @@
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from runstate._async.hold import AsyncHold
 from runstate._async.http import AsyncHttp
 from runstate._batch import (
     MAX_CLAIM_BATCH,
@@ -18,9 +19,6 @@ from runstate._batch import (
 from runstate._config import JsonDict, compact, parse_time, segment
 from runstate._errors import RunstateError
 from runstate._tracing import annotate_task, receive_started, record_receive, send_span
-
-if TYPE_CHECKING:
-    from runstate._async.hold import AsyncHold
 
 # Task states after which nothing changes (DESIGN.md "Tasks and claims").
 TASK_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
@@ -136,7 +134,7 @@ class AsyncClaim:
         task: JsonDict = await self._http.request("POST", f"/claims/{segment(self.id)}/release", idempotent=True)
         return task
 
-    def hold(self, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> "AsyncHold":
+    def hold(self, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> AsyncHold:
         """Work on this claim by hand: ``async with claim.hold() as ctx:`` renews it in the background.
 
         ``ctx`` is a handler's context (``signal``, ``is_cancellation_requested()``,
@@ -145,9 +143,8 @@ class AsyncClaim:
         ``AsyncHold`` for the rules (a normal end completes with ``None`` unless
         ``ctx.complete`` gave a value; an exception is recorded as a failure and re-raised).
         """
-        from runstate._async.hold import AsyncHold  # the holder imports this module
-
-        return AsyncHold(self, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
+        tasks = AsyncTasks(self._http, None)  # renews and completes it: no run needed
+        return AsyncHold(self, tasks, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
 
 
 def claim_id_of(claim: AsyncClaim | str) -> str:

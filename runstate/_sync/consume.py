@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runstate._async.http import AsyncHttp
+from runstate._async.work import AsyncTasks
 from runstate._blocking import BlockingLoop, StartHandler
 from runstate._sync.http import Http
 from runstate._worker import ConsumeSummary, Engine, TaskContext
@@ -51,4 +52,12 @@ class Worker(BlockingLoop[ConsumeSummary]):
         return ConsumeSummary()
 
     def _make_engine(self, http: AsyncHttp, start: StartHandler) -> Engine:
-        return Engine(http, self._run_id, self._mailbox, make_context=TaskContext, start_handler=start, **self._options)
+        return Engine(
+            http,
+            self._run_id,
+            self._mailbox,
+            tasks=AsyncTasks(http, self._run_id),
+            make_context=TaskContext,
+            start_handler=start,
+            **self._options,
+        )

@@ -2,24 +2,46 @@
 
 Written by hand (not generated). The holder of the async client (``runstate._worker.Holder``:
 the consume engine's renewer and record methods) runs on an event loop in a daemon thread of
-its own, with an async connection pool of the same configuration; the block runs in the
-calling thread and ``ctx.signal`` is a ``threading.Event``.
+its own, on async twins of what ``claim.hold()`` hands in: a connection pool of the tasks
+namespace's configuration and the claim as last seen. The block runs in the calling thread
+and ``ctx.signal`` is a ``threading.Event``.
 """
 
 import asyncio
 import threading
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from runstate._async.http import AsyncHttp
-from runstate._async.work import AsyncClaim
+from runstate._async.work import AsyncClaim, AsyncTasks
+from runstate._config import JsonDict
+from runstate._sync.http import Http
 from runstate._tracing import in_span, leave
 from runstate._worker import HoldContext, Holder
 
-if TYPE_CHECKING:
-    from runstate._sync.work import Claim
-
 __all__ = ["Hold", "HoldContext"]
+
+
+class HeldClaim(Protocol):
+    """The claim a hold renews (``Claim``, whose ``hold()`` makes one): what its twin is made of."""
+
+    @property
+    def id(self) -> str:
+        """Return the claim's id."""
+
+    @property
+    def task_id(self) -> str:
+        """Return the claimed task's id."""
+
+    @property
+    def data(self) -> JsonDict:
+        """Return the claim as last seen."""
+
+
+class HoldingTasks(Protocol):
+    """The tasks namespace ``claim.hold()`` hands in (``Tasks``): its client's configuration."""
+
+    _http: Http
 
 
 class Hold:
@@ -29,8 +51,11 @@ class Hold:
     request or a lost lease through ``ctx.signal`` / ``ctx.wait_cancelled(timeout)``.
     """
 
-    def __init__(self, claim: "Claim", *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> None:
+    def __init__(
+        self, claim: HeldClaim, tasks: HoldingTasks, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3
+    ) -> None:
         self.claim = claim
+        self._config = tasks._http.config
         self._lease_ttl_ms = lease_ttl_ms
         self._renew_fraction = renew_fraction
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,11 +82,12 @@ class Hold:
         self._thread.start()
 
         async def start() -> HoldContext:
-            self._http = AsyncHttp(self.claim._http.config)
+            self._http = AsyncHttp(self._config)
             claim = AsyncClaim(self._http, self.claim.data)
             ctx = HoldContext(claim)
+            tasks = AsyncTasks(self._http, None)
             self._holder = Holder(
-                self._http, claim, ctx, lease_ttl_ms=self._lease_ttl_ms, renew_fraction=self._renew_fraction
+                self._http, claim, ctx, tasks, lease_ttl_ms=self._lease_ttl_ms, renew_fraction=self._renew_fraction
             )
             await self._holder.enter()
             return ctx

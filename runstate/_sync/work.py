@@ -3,7 +3,7 @@
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runstate._batch import (
     MAX_CLAIM_BATCH,
@@ -17,11 +17,9 @@ from runstate._batch import (
 )
 from runstate._config import JsonDict, compact, parse_time, segment
 from runstate._errors import RunstateError
+from runstate._sync.hold import Hold
 from runstate._sync.http import Http
 from runstate._tracing import annotate_task, receive_started, record_receive, send_span
-
-if TYPE_CHECKING:
-    from runstate._sync.hold import Hold
 
 # Task states after which nothing changes (DESIGN.md "Tasks and claims").
 TASK_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
@@ -137,7 +135,7 @@ class Claim:
         task: JsonDict = self._http.request("POST", f"/claims/{segment(self.id)}/release", idempotent=True)
         return task
 
-    def hold(self, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> "Hold":
+    def hold(self, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3) -> Hold:
         """Work on this claim by hand: ``with claim.hold() as ctx:`` renews it in the background.
 
         ``ctx`` is a handler's context (``signal``, ``is_cancellation_requested()``,
@@ -146,9 +144,8 @@ class Claim:
         ``Hold`` for the rules (a normal end completes with ``None`` unless
         ``ctx.complete`` gave a value; an exception is recorded as a failure and re-raised).
         """
-        from runstate._sync.hold import Hold  # the holder imports this module
-
-        return Hold(self, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
+        tasks = Tasks(self._http, None)  # renews and completes it: no run needed
+        return Hold(self, tasks, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction)
 
 
 def claim_id_of(claim: Claim | str) -> str:

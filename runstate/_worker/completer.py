@@ -9,9 +9,9 @@ import asyncio
 from time import monotonic
 from typing import Any
 
-from runstate._async.work import AsyncClaim, AsyncTasks
 from runstate._batch import ClaimResult
 from runstate._config import JsonDict
+from runstate._worker.protocols import Claim, Tasks
 from runstate._worker.threads import _settle
 
 # Buffered completions are sent when this many wait, or when the oldest has waited this long.
@@ -29,7 +29,7 @@ class _Completer:
     of the whole request (transport, 5xx after the retries) is raised to each of its waiters.
     """
 
-    def __init__(self, tasks: AsyncTasks) -> None:
+    def __init__(self, tasks: Tasks) -> None:
         self._tasks = tasks
         self._pending: dict[str, tuple[Any, asyncio.Future[ClaimResult]]] = {}
         self._oldest = 0.0
@@ -53,7 +53,7 @@ class _Completer:
         if self._flusher is not None:
             await self._flusher
 
-    async def complete(self, claim: AsyncClaim, outcome: Any) -> JsonDict:
+    async def complete(self, claim: Claim, outcome: Any) -> JsonDict:
         """Buffer the completion of ``claim`` and return the completed task once it is sent."""
         if self._closed or self._flusher is None or self._flusher.done():
             return await claim.complete(outcome)

@@ -10,8 +10,8 @@ import asyncio
 import threading
 from typing import Any, Protocol
 
-from runstate._async.work import AsyncClaim
 from runstate._config import JsonDict
+from runstate._worker.protocols import Claim
 
 
 class CancellationRequested(Exception):  # noqa: N818 - named after what happened, like asyncio.CancelledError
@@ -57,7 +57,7 @@ class _HandlerContext:
 class _TaskContextBase(_HandlerContext):
     """What a handler gets: the claimed task, and whether it should stop."""
 
-    def __init__(self, claim: AsyncClaim) -> None:
+    def __init__(self, claim: Claim) -> None:
         super().__init__()
         self.task: JsonDict = claim.task
         self.task_id: str = claim.task_id
@@ -79,7 +79,7 @@ class AsyncTaskContext(_TaskContextBase):
 
     signal: asyncio.Event
 
-    def __init__(self, claim: AsyncClaim) -> None:
+    def __init__(self, claim: Claim) -> None:
         super().__init__(claim)
         self.signal = asyncio.Event()
 
@@ -158,7 +158,7 @@ class TaskContext(_TaskContextBase):
 
     signal: threading.Event
 
-    def __init__(self, claim: AsyncClaim) -> None:
+    def __init__(self, claim: Claim) -> None:
         super().__init__(claim)
         self.signal = threading.Event()
 
@@ -187,7 +187,7 @@ class _HoldOutcome:
 class AsyncHoldContext(_HoldOutcome, AsyncTaskContext):
     """The context of ``async with claim.hold() as ctx``: a handler's context plus ``complete`` and ``release``."""
 
-    def __init__(self, claim: AsyncClaim) -> None:
+    def __init__(self, claim: Claim) -> None:
         super().__init__(claim)
         self._init_outcome()
 
@@ -195,6 +195,6 @@ class AsyncHoldContext(_HoldOutcome, AsyncTaskContext):
 class HoldContext(_HoldOutcome, TaskContext):
     """The context of ``with claim.hold() as ctx``: a handler's context plus ``complete`` and ``release``."""
 
-    def __init__(self, claim: AsyncClaim) -> None:
+    def __init__(self, claim: Claim) -> None:
         super().__init__(claim)
         self._init_outcome()

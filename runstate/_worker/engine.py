@@ -15,13 +15,12 @@ import logging
 import os
 import socket
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from time import monotonic
 from typing import Any
 
 from runstate._async.http import AsyncHttp
-from runstate._async.work import AsyncClaim, AsyncTasks
 from runstate._batch import ClaimResult
 from runstate._config import JsonDict
 from runstate._errors import (
@@ -35,6 +34,7 @@ from runstate._loop import MIN_RENEW_INTERVAL_S, TRANSIENT, FetchLoop, Held
 from runstate._tracing import ProcessSpan, in_span, leave, process_span
 from runstate._worker.completer import _Completer
 from runstate._worker.contexts import CancellationRequested, _TaskContextBase
+from runstate._worker.protocols import Claim, Tasks
 from runstate._worker.signals import _sigterm_stops
 
 logger = logging.getLogger("runstate.worker")
@@ -70,7 +70,7 @@ def describe_error(exc: BaseException) -> JsonDict:
 class _Held(Held[_TaskContextBase]):
     """A claimed task being worked on."""
 
-    def __init__(self, claim: AsyncClaim, ctx: _TaskContextBase) -> None:
+    def __init__(self, claim: Claim, ctx: _TaskContextBase) -> None:
         super().__init__(ctx)
         self.claim = claim
         self.lease_until = monotonic()  # when the lease runs out at the latest, by this process's clock
@@ -88,7 +88,8 @@ class Engine(FetchLoop[ConsumeSummary]):
         run_id: str,
         mailbox: str,
         *,
-        make_context: Callable[[AsyncClaim], _TaskContextBase],
+        tasks: Tasks,
+        make_context: Callable[[Claim], _TaskContextBase],
         start_handler: Callable[[_TaskContextBase], Awaitable[Any]],
         concurrency: int,
         lease_ttl_ms: int | None,
@@ -103,7 +104,7 @@ class Engine(FetchLoop[ConsumeSummary]):
         )
         if not 0 < renew_fraction < 1:
             raise ValueError("renew_fraction must be between 0 and 1")
-        self._tasks = AsyncTasks(http, run_id)
+        self._tasks = tasks
         self._make_context = make_context
         self._start_handler = start_handler
         self.lease_ttl_ms = lease_ttl_ms
@@ -140,7 +141,7 @@ class Engine(FetchLoop[ConsumeSummary]):
     # Claiming ---------------------------------------------------------------------------
 
     async def _claim_loop(self) -> None:
-        def claim(free: int) -> Awaitable[list[AsyncClaim]]:
+        def claim(free: int) -> Awaitable[Sequence[Claim]]:
             return self._tasks.claim(
                 self.mailbox,
                 max=free,
@@ -155,7 +156,7 @@ class Engine(FetchLoop[ConsumeSummary]):
 
     # Running one task -------------------------------------------------------------------
 
-    def _start(self, claim: AsyncClaim) -> None:
+    def _start(self, claim: Claim) -> None:
         ctx = self._make_context(claim)
         held = _Held(claim, ctx)
         if claim.cancellation_requested:
@@ -324,7 +325,7 @@ class Engine(FetchLoop[ConsumeSummary]):
         else:
             self.summary.completed += 1
 
-    async def _release(self, claim: AsyncClaim) -> None:
+    async def _release(self, claim: Claim) -> None:
         try:
             await claim.release()
         except RunstateError as exc:

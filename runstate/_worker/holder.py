@@ -6,11 +6,11 @@ from time import monotonic
 from typing import Any
 
 from runstate._async.http import AsyncHttp
-from runstate._async.work import AsyncClaim
 from runstate._errors import RunstateError
 from runstate._tracing import process_span
 from runstate._worker.contexts import CancellationRequested, _HoldOutcome, _TaskContextBase
 from runstate._worker.engine import Engine, _Held
+from runstate._worker.protocols import Claim, Tasks
 
 logger = logging.getLogger("runstate.worker")
 
@@ -27,8 +27,9 @@ class Holder:
     def __init__(
         self,
         http: AsyncHttp,
-        claim: AsyncClaim,
+        claim: Claim,
         ctx: _TaskContextBase,
+        tasks: Tasks,
         *,
         lease_ttl_ms: int | None,
         renew_fraction: float,
@@ -39,6 +40,7 @@ class Holder:
             http,
             str(claim.task.get("runId")),
             str(claim.task.get("mailbox")),
+            tasks=tasks,
             make_context=lambda _: ctx,
             start_handler=self._never,
             concurrency=1,
