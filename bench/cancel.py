@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_django()
 
-    from coordination import exceptions
+    from coordination.domain import exceptions
     from coordination.models import Event, Task
     from coordination.services.claims import task_claim
     from coordination.services.runs import run_cancel

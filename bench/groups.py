@@ -91,9 +91,9 @@ def seen_by_reader(project_id, group_id, timeout_s: float = 30.0) -> float:
 
 
 def service_verdicts(members: int, threshold: int) -> dict:
+    from coordination.domain.states import Verdict
     from coordination.models import Event
     from coordination.services.groups import group_verdict
-    from coordination.states import Verdict
 
     project, group, tasks = make_group(members, threshold)
     calls = [
@@ -304,8 +304,8 @@ def http_waiters(
     servers: list[UvicornServer], key: dict, count: int, profile: str | None = None
 ) -> tuple[float, float, float]:
     """1,000 ``GET /v1/groups/{id}/wait`` over the servers, released by one verdict; return p99 and CPU (ms)."""
+    from coordination.domain.states import Verdict
     from coordination.services.groups import group_verdict
-    from coordination.states import Verdict
 
     project, group, tasks = make_group(1, 1)
     return _release(

@@ -37,9 +37,7 @@ from django.utils import timezone
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from coordination.models import Barrier, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
-from coordination.selectors import EVENT_CURSOR_START, Visibility, event_list
-from coordination.states import (
+from coordination.domain.states import (
     TASK_HELD,
     BarrierState,
     GroupState,
@@ -49,8 +47,10 @@ from coordination.states import (
     TaskState,
     TimerState,
 )
+from coordination.domain.task_errors import error_code
+from coordination.models import Barrier, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
+from coordination.selectors import EVENT_CURSOR_START, Visibility, event_list
 from coordination.stuck_cancellations import cancellations_by_mailbox
-from coordination.task_errors import error_code
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -5,9 +5,9 @@ from datetime import datetime
 
 from prometheus_client.core import GaugeMetricFamily
 
+from coordination.domain.states import RunState
 from coordination.models import Budget, Quota
 from coordination.services.quotas import available
-from coordination.states import RunState
 
 
 def limit_families(now: datetime, project_id: uuid.UUID | None = None) -> list[GaugeMetricFamily]:

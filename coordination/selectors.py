@@ -14,8 +14,9 @@ from django.db.models.expressions import RawSQL
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from coordination import exceptions
-from coordination.ids import path_ids
+from coordination.domain import exceptions
+from coordination.domain.ids import path_ids
+from coordination.domain.states import Effective, InactiveReason
 from coordination.models import (
     Barrier,
     Budget,
@@ -31,7 +32,6 @@ from coordination.models import (
 )
 from coordination.services import sql
 from coordination.services.locking import CHAIN_ACTIVE_SQL, chain_refusal
-from coordination.states import Effective, InactiveReason
 
 
 @dataclass(frozen=True)

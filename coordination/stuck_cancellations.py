@@ -22,9 +22,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from coordination.domain.states import TaskState
 from coordination.models import Task
 from coordination.project_scope import ProjectScope, of_projects
-from coordination.states import TaskState
 
 MAINTENANCE = "maintenance"
 SIGNAL_USE = "signal use"

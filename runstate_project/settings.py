@@ -294,12 +294,12 @@ SPECTACULAR_SETTINGS = {
         "coordination.api.schema.constrain_name_parameters",
     ],
     "ENUM_NAME_OVERRIDES": {
-        "RunStateEnum": "coordination.states.RunState",
-        "TaskStateEnum": "coordination.states.TaskState",
-        "GroupStateEnum": "coordination.states.GroupState",
-        "MessageStateEnum": "coordination.states.MessageState",
-        "BarrierStateEnum": "coordination.states.BarrierState",
-        "TimerStateEnum": "coordination.states.TimerState",
+        "RunStateEnum": "coordination.domain.states.RunState",
+        "TaskStateEnum": "coordination.domain.states.TaskState",
+        "GroupStateEnum": "coordination.domain.states.GroupState",
+        "MessageStateEnum": "coordination.domain.states.MessageState",
+        "BarrierStateEnum": "coordination.domain.states.BarrierState",
+        "TimerStateEnum": "coordination.domain.states.TimerState",
     },
 }
 

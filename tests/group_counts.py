@@ -1,6 +1,6 @@
 """A group's stored counters beside a recount of its members, for the group tests.
 
-The recount is written from DESIGN.md "Task groups" (``coordination.group_rules`` deliberately
+The recount is written from DESIGN.md "Task groups" (``coordination.domain.group_rules`` deliberately
 not used): accepted and rejected verdicts (late ones included), members still acceptable
 (unfinished, or SUCCEEDED and unjudged) and finished (terminal, and judged if SUCCEEDED).
 """

@@ -97,7 +97,7 @@ class RunstateTask:
         retry_delay_max: float,
         celery_options: dict[str, Any],
     ) -> None:
-        from coordination.exceptions import ValidationFailed
+        from coordination.domain.exceptions import ValidationFailed
         from coordination.services.mailboxes import (
             NAME_PATTERN,
             validate_lease_ttl_ms,
@@ -167,9 +167,9 @@ class RunstateTask:
         if self._ids is None:
             with self._ids_lock:
                 if self._ids is None:
+                    from coordination.domain.states import MailboxMode
                     from coordination.services.keys import project_ensure
                     from coordination.services.mailboxes import mailbox_ensure
-                    from coordination.states import MailboxMode
 
                     project = project_ensure(name=self.project_name)
                     mailbox, _ = mailbox_ensure(
@@ -207,7 +207,7 @@ class RunstateTask:
 
     def validate_input(self, input: object) -> None:
         """Raise ``ValidationFailed`` (400 ``VALIDATION_ERROR``) when ``input`` does not fit the model or schema."""
-        from coordination import exceptions
+        from coordination.domain import exceptions
 
         if self.input_model is not None:
             try:

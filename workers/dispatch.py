@@ -97,8 +97,8 @@ def dispatch_run_deadline(run_id: uuid.UUID, deadline: datetime) -> None:
 @shared_task(name="runstate.dispatch_upcoming_timers", ignore_result=True)
 def dispatch_upcoming_timers() -> int:
     """Send ETA wake-ups for armed timers coming due within the horizon (far timers skipped them)."""
+    from coordination.domain.states import TimerState
     from coordination.models import Timer
-    from coordination.states import TimerState
 
     close_old_connections()
     now = timezone.now()

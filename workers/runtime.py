@@ -39,7 +39,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import TaskState
 from coordination.services.claims import (
     MAX_BATCH,
     Claim,
@@ -50,7 +51,6 @@ from coordination.services.claims import (
     claims_renew_many,
     task_claim_by_id_narrow,
 )
-from coordination.states import TaskState
 from runstate._tracing import ProcessSpan, in_span, leave, process_span
 from runstate_project.postgresql.base import read_only_server
 from workers.registry import BoundTask

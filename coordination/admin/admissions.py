@@ -14,10 +14,10 @@ from django.contrib.admin.utils import display_for_value
 from django.template.response import TemplateResponse
 from django.utils.html import format_html, format_html_join
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
+from coordination.domain.states import AdmissionState
 from coordination.models import Admission, AdmissionConfig
 from coordination.services.admissions import MAX_ACTIVE, admission_configure, admission_withdraw
-from coordination.states import AdmissionState
 
 from .base import ProjectScopedAdmin, change_link, count_of, parse_uuid
 

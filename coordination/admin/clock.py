@@ -14,10 +14,10 @@ from django.contrib.admin.utils import display_for_value
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
+from coordination.domain.states import TimerState
 from coordination.models import Barrier, BarrierArrival, Timer
 from coordination.services.timers import timer_cancel, timer_fire
-from coordination.states import TimerState
 
 from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, count_of, parse_uuid
 

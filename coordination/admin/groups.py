@@ -15,11 +15,11 @@ from django.contrib.admin.utils import display_for_value
 from django.db.models import Count, Q
 from django.utils.html import format_html, format_html_join
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
+from coordination.domain.states import GroupCondition, GroupState, Verdict
 from coordination.models import GroupMember, TaskGroup
 from coordination.selectors import group_is_due
 from coordination.services.groups import group_close
-from coordination.states import GroupCondition, GroupState, Verdict
 
 from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, count_of, parse_uuid
 

@@ -11,9 +11,9 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
+from coordination.domain.states import Permission
 from coordination.models import ApiKey
 from coordination.services.keys import api_key_create, api_key_revoke
-from coordination.states import Permission
 
 from .base import ProjectScopedAdmin, ServiceBackedAdmin, count_of
 

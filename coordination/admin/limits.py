@@ -9,11 +9,11 @@ here, with a release action that calls ``reservation_release``.
 from django.contrib import admin, messages
 from django.utils.html import format_html, format_html_join
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
+from coordination.domain.states import ReservationState
 from coordination.models import Budget, BudgetReservation, Quota
 from coordination.services.budgets import budget_set_limit, reservation_release
 from coordination.services.quotas import available, quota_put
-from coordination.states import ReservationState
 
 from .base import ProjectScopedAdmin, change_link, change_url, count_of
 

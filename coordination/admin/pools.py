@@ -8,7 +8,7 @@ written only by ``coordination.services.pools``; the release action calls its se
 from django import forms
 from django.contrib import admin, messages
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
 from coordination.models import Pool, PoolLease
 from coordination.services.mailboxes import NAME_PATTERN
 from coordination.services.pools import MAX_CAPACITY, pool_lease_release, pool_put, pool_stats

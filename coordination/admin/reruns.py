@@ -4,7 +4,7 @@ from collections import defaultdict
 
 from django.contrib import admin, messages
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
 from coordination.services.reruns import task_rerun
 
 

@@ -18,11 +18,8 @@ from django.urls import path
 from django.utils.html import format_html, format_html_join
 from django.utils.http import url_has_allowed_host_and_scheme, urlencode
 
-from coordination.exceptions import CoordinationError
-from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
-from coordination.selectors import EffectiveState, runs_effective
-from coordination.services.runs import run_cancel, run_complete
-from coordination.states import (
+from coordination.domain.exceptions import CoordinationError
+from coordination.domain.states import (
     TASK_HELD,
     BarrierState,
     Effective,
@@ -32,6 +29,9 @@ from coordination.states import (
     TaskState,
     TimerState,
 )
+from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
+from coordination.selectors import EffectiveState, runs_effective
+from coordination.services.runs import run_cancel, run_complete
 
 from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, change_url, changelist_url, count_of, parse_uuid
 

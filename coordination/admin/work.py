@@ -22,12 +22,12 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.timesince import timesince
 
-from coordination.exceptions import CoordinationError, ValidationFailed
+from coordination.domain.exceptions import CoordinationError, ValidationFailed
+from coordination.domain.states import TASK_HELD, MailboxMode, MessageState, TaskState
 from coordination.models import Mailbox, Message, Task
 from coordination.services.claims import claim_id_for, claim_release
 from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_attempts
 from coordination.services.tasks import task_cancel
-from coordination.states import TASK_HELD, MailboxMode, MessageState, TaskState
 from coordination.tracing import TraceContext
 
 from .base import (

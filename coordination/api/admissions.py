@@ -12,9 +12,9 @@ from coordination.api.serializers import (
     StrictIntegerField,
     StrictSerializer,
 )
+from coordination.domain.states import AdmissionState
 from coordination.models import Admission, AdmissionConfig
 from coordination.services.admissions import MAX_ACTIVE, admission_position
-from coordination.states import AdmissionState
 
 
 class AdmissionConfigIn(StrictSerializer):

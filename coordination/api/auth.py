@@ -8,10 +8,10 @@ from django.utils import timezone
 from rest_framework import authentication, permissions
 from rest_framework.exceptions import AuthenticationFailed
 
+from coordination.domain.states import Permission
 from coordination.models import ApiKey
 from coordination.selectors import Visibility
 from coordination.services.keys import api_key_authenticate
-from coordination.states import Permission
 
 # Touch last_used_at at most this often, so a busy key does not write on every request.
 LAST_USED_GRANULARITY_S = 60

@@ -10,7 +10,7 @@ from rest_framework import exceptions as drf
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from runstate_project.postgresql.base import read_only_server
 
 logger = logging.getLogger(__name__)

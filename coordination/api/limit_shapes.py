@@ -4,10 +4,10 @@ from rest_framework import serializers
 
 from coordination.api.presenters import iso
 from coordination.api.serializers import MAX_NAME_LENGTH, StrictCharField, StrictIntegerField, StrictSerializer
+from coordination.domain.states import ReservationState
 from coordination.models import Budget, BudgetReservation, Quota
 from coordination.services import budgets as budget_services
 from coordination.services import quotas as quota_services
-from coordination.states import ReservationState
 
 # Quotas -----------------------------------------------------------------------------------
 

@@ -5,9 +5,7 @@ import json
 from django.conf import settings
 from rest_framework import serializers
 
-from coordination.services.tasks import MAX_SUBMIT_BATCH
-from coordination.services.timers import MAX_DELAY_S
-from coordination.states import (
+from coordination.domain.states import (
     BarrierState,
     Effective,
     GroupCondition,
@@ -21,6 +19,8 @@ from coordination.states import (
     TimerState,
     Verdict,
 )
+from coordination.services.tasks import MAX_SUBMIT_BATCH
+from coordination.services.timers import MAX_DELAY_S
 
 MAX_NAME_LENGTH = 200
 MAX_REASON_LENGTH = 1000

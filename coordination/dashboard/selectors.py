@@ -15,10 +15,7 @@ from django.utils import timezone
 
 from coordination.admin.groups import groups_accepted, progress_text
 from coordination.admin.work import Depth, mailboxes_depth
-from coordination.models import Barrier, Event, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
-from coordination.project_scope import ProjectScope, of_projects
-from coordination.selectors import EffectiveState, runs_effective
-from coordination.states import (
+from coordination.domain.states import (
     TASK_HELD,
     BarrierState,
     GroupOutcome,
@@ -28,6 +25,9 @@ from coordination.states import (
     TaskState,
     TimerState,
 )
+from coordination.models import Barrier, Event, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
+from coordination.project_scope import ProjectScope, of_projects
+from coordination.selectors import EffectiveState, runs_effective
 
 # Panels list at most this many rows; the admin's changelists have the rest.
 ROWS = 50

@@ -4,7 +4,7 @@ import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
 
-import coordination.ids
+import coordination.domain.ids
 
 
 class Migration(migrations.Migration):
@@ -18,7 +18,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("name", models.SlugField(max_length=100, unique=True)),
                 ("created_at", models.DateTimeField(default=django.utils.timezone.now, editable=False)),
@@ -32,7 +34,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("path", models.TextField(editable=False)),
                 ("depth", models.PositiveSmallIntegerField(default=0, editable=False)),
@@ -77,7 +81,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("name", models.CharField(blank=True, default="", max_length=200)),
                 ("prefix", models.CharField(editable=False, max_length=16, unique=True)),

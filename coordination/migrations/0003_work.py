@@ -4,7 +4,7 @@ import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
 
-import coordination.ids
+import coordination.domain.ids
 
 
 class Migration(migrations.Migration):
@@ -18,7 +18,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("name", models.CharField(max_length=100)),
                 ("mode", models.CharField(choices=[("WORK", "Work"), ("QUEUE", "Queue")], max_length=8)),
@@ -42,7 +44,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("run_path", models.TextField(editable=False)),
                 ("key", models.CharField(blank=True, max_length=200, null=True)),
@@ -94,7 +98,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("run_path", models.TextField(editable=False)),
                 ("run_deadline", models.DateTimeField(blank=True, editable=False, null=True)),

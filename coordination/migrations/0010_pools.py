@@ -4,7 +4,7 @@ import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
 
-import coordination.ids
+import coordination.domain.ids
 from coordination.migrations._postgres import execute_on_postgres
 
 # A cancel's cascade finds the subtree's pool waiters by path prefix (see 0004 for why
@@ -35,7 +35,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("name", models.CharField(max_length=200)),
                 ("capacity", models.PositiveIntegerField()),
@@ -59,7 +61,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("run_path", models.TextField(editable=False)),
                 ("units", models.PositiveIntegerField()),

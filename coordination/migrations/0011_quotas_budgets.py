@@ -5,7 +5,7 @@ import django.db.models.expressions
 import django.utils.timezone
 from django.db import migrations, models
 
-import coordination.ids
+import coordination.domain.ids
 
 
 class Migration(migrations.Migration):
@@ -19,7 +19,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("run_path", models.TextField(editable=False)),
                 ("name", models.CharField(max_length=200)),
@@ -52,7 +54,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("run_path", models.TextField(editable=False)),
                 ("budget_name", models.CharField(max_length=200)),
@@ -100,7 +104,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("name", models.CharField(max_length=200)),
                 ("limit", models.BigIntegerField()),

@@ -4,7 +4,7 @@ import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
 
-import coordination.ids
+import coordination.domain.ids
 
 
 def create_busy_path_index(apps, schema_editor):
@@ -32,7 +32,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("run_path", models.TextField(editable=False)),
                 ("max_active", models.PositiveIntegerField(blank=True, null=True)),
@@ -65,7 +67,9 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.UUIDField(default=coordination.ids.uuid7, editable=False, primary_key=True, serialize=False),
+                    models.UUIDField(
+                        default=coordination.domain.ids.uuid7, editable=False, primary_key=True, serialize=False
+                    ),
                 ),
                 ("parent_path", models.TextField(editable=False)),
                 ("ticket", models.BigIntegerField(editable=False)),

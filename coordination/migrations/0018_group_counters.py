@@ -9,7 +9,7 @@ the task row is locked: every writer that changes a member's state holds its gro
 already (house order: gate, group, task).
 
 Frozen history: the state names and the facts (``still_acceptable``, ``finished``) are
-written out as they are in ``coordination.group_rules`` today.
+written out as they are in ``coordination.domain.group_rules`` today.
 """
 
 from django.db import migrations, models

@@ -4,8 +4,8 @@ from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
-from coordination.ids import uuid7
-from coordination.states import ReservationState
+from coordination.domain.ids import uuid7
+from coordination.domain.states import ReservationState
 
 # A quota's level is kept in micro-tokens (integers), so the refill arithmetic is exact on
 # both databases; see coordination/services/quotas.py.

@@ -4,8 +4,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from coordination.ids import uuid7
-from coordination.states import PoolLeaseState
+from coordination.domain.ids import uuid7
+from coordination.domain.states import PoolLeaseState
 
 
 class Pool(models.Model):

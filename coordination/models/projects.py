@@ -3,8 +3,8 @@
 from django.db import models
 from django.utils import timezone
 
-from coordination.ids import uuid7
-from coordination.states import Permission
+from coordination.domain.ids import uuid7
+from coordination.domain.states import Permission
 
 
 class Project(models.Model):

@@ -5,8 +5,8 @@ import uuid
 from django.db import models
 from django.utils import timezone
 
-from coordination.ids import path_ids, uuid7
-from coordination.states import RunState
+from coordination.domain.ids import path_ids, uuid7
+from coordination.domain.states import RunState
 
 MAX_DEPTH = 64
 

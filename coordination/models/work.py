@@ -4,8 +4,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from coordination.ids import uuid7
-from coordination.states import MailboxMode, MessageState, TaskState
+from coordination.domain.ids import uuid7
+from coordination.domain.states import MailboxMode, MessageState, TaskState
 
 DEFAULT_LEASE_TTL_MS = 30_000
 DEFAULT_MAX_ATTEMPTS = 3

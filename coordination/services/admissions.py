@@ -16,15 +16,15 @@ from django.db import transaction
 from django.db.models import Q, Sum
 from django.utils import timezone
 
-from coordination import exceptions
-from coordination.ids import path_ids
+from coordination.domain import exceptions
+from coordination.domain.ids import path_ids
+from coordination.domain.states import AdmissionState
 from coordination.models import Admission, AdmissionConfig, Event, Run
 from coordination.models.runs import MAX_DEPTH
 from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import event_row, events_record_many
 from coordination.services.locking import LockMode, chain_refusal, run_chain_lock
 from coordination.services.runs import run_create
-from coordination.states import AdmissionState
 
 MAX_ACTIVE = 1_000_000
 MAX_KEY_LENGTH = 200

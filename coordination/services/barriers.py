@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import BarrierState
 from coordination.models import Barrier, BarrierArrival, Event, Run
 from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
-from coordination.states import BarrierState
 from coordination.tracing import record_span
 
 MAX_TARGET = 100_000

@@ -16,11 +16,11 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import ReservationState
 from coordination.models import Budget, BudgetReservation, Event
 from coordination.services.events import event_row, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
-from coordination.states import ReservationState
 
 MAX_NAME_LENGTH = 200
 MAX_KEY_LENGTH = 200

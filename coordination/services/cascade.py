@@ -12,10 +12,10 @@ from datetime import datetime
 
 from django.db import connection, models
 
+from coordination.domain.states import RunState
 from coordination.models import Run
 from coordination.services.events import event_insert_sql
 from coordination.services.sql import in_list
-from coordination.states import RunState
 
 
 @dataclass(frozen=True)

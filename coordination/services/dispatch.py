@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from django.db import transaction
 
-from coordination.states import TaskState
+from coordination.domain.states import TaskState
 
 
 class Waker(Protocol):

@@ -17,8 +17,19 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from coordination import exceptions
-from coordination.group_rules import GroupCounts, MemberFacts, decide, member_counts
+from coordination.domain import exceptions
+from coordination.domain.group_rules import GroupCounts, MemberFacts, decide, member_counts
+from coordination.domain.states import (
+    TASK_TERMINAL,
+    TASK_UNFINISHED,
+    GroupCondition,
+    GroupOutcome,
+    GroupState,
+    MailboxMode,
+    RunState,
+    TaskState,
+    Verdict,
+)
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
 from coordination.services import dispatch, sql, task_transitions
@@ -42,17 +53,6 @@ from coordination.services.locking import (
 from coordination.services.retry import GroupDue, retrying
 from coordination.services.runs import run_create, run_end
 from coordination.services.task_insert import task_insert
-from coordination.states import (
-    TASK_TERMINAL,
-    TASK_UNFINISHED,
-    GroupCondition,
-    GroupOutcome,
-    GroupState,
-    MailboxMode,
-    RunState,
-    TaskState,
-    Verdict,
-)
 from coordination.tracing import NO_TRACE, TraceContext, span
 
 

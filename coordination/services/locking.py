@@ -29,11 +29,11 @@ from django.db.models import BooleanField
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from coordination import exceptions
-from coordination.ids import path_ids
+from coordination.domain import exceptions
+from coordination.domain.ids import path_ids
+from coordination.domain.states import RunState
 from coordination.models import Run
 from coordination.services.sql import literal
-from coordination.states import RunState
 
 
 class LockMode(enum.Enum):

@@ -21,8 +21,9 @@ from django.db.models import BooleanField, F, Q
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from coordination import exceptions
-from coordination.ids import fence_id, parse_fence_id
+from coordination.domain import exceptions
+from coordination.domain.ids import fence_id, parse_fence_id
+from coordination.domain.states import MailboxMode, MessageState, RunState
 from coordination.models import Event, Mailbox, Message, Run
 from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
@@ -30,7 +31,6 @@ from coordination.services.locking import chain_refusal, run_chain_lock, run_cha
 from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.services.rules import Clause, Rule
 from coordination.services.sql import columns, fast_paths_enabled, fetch_models, literal
-from coordination.states import MailboxMode, MessageState, RunState
 from coordination.tracing import NO_TRACE, TraceContext
 
 MAX_DELIVERIES_PER_CALL = 100

@@ -28,8 +28,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
-from coordination import exceptions
-from coordination.ids import path_ids, uuid7
+from coordination.domain import exceptions
+from coordination.domain.ids import path_ids, uuid7
+from coordination.domain.states import POOL_LEASE_OPEN, PoolLeaseState
 from coordination.models import Event, Pool, PoolLease, Run
 from coordination.services import sql
 from coordination.services.cascade import SubtreeEnd, cascade_step
@@ -43,7 +44,6 @@ from coordination.services.locking import (
     run_chain_lock_active,
 )
 from coordination.services.mailboxes import NAME_PATTERN
-from coordination.states import POOL_LEASE_OPEN, PoolLeaseState
 
 _HELD = sql.literal(PoolLeaseState.HELD)
 

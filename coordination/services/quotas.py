@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Quota
 from coordination.models.limits import MICRO
 from coordination.services import sql

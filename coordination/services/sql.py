@@ -18,7 +18,7 @@ def fast_paths_enabled() -> bool:
 
 
 def literal(state: str) -> str:
-    """Return a state name of ``coordination.states`` as a SQL string literal: ``'RUNNING'``.
+    """Return a state name of ``coordination.domain.states`` as a SQL string literal: ``'RUNNING'``.
 
     State names are written into statements as literals, never as parameters, so that even a
     generic plan of a prepared statement matches a partial index on them; and never quoted by

@@ -11,13 +11,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from coordination.domain.states import TaskState
 from coordination.models import Task
 from coordination.services import dispatch, task_transitions
 from coordination.services.claims.leases import EXPIRY_DUE, lease_expired
 from coordination.services.events import event_for, events_record_many
 from coordination.services.retry import retrying
 from coordination.services.tasks import after_change, lock_task, record
-from coordination.states import TaskState
 
 
 def tasks_settle_expired_leases(*, now: datetime | None = None, batch_size: int = 500) -> int:

@@ -16,11 +16,11 @@ from django.db import connection
 from django.db.models import F
 from django.db.models.functions import Coalesce
 
+from coordination.domain.states import TASK_UNFINISHED, TaskState
 from coordination.models import Event, Task
 from coordination.services.cascade import SubtreeEnd, subtree_rows_end
 from coordination.services.events import events_record_many
 from coordination.services.sql import in_list, literal
-from coordination.states import TASK_UNFINISHED, TaskState
 
 CASCADE_CHUNK = 2000
 

@@ -16,8 +16,9 @@ from datetime import datetime, timedelta
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from coordination import exceptions
-from coordination.ids import path_ids
+from coordination.domain import exceptions
+from coordination.domain.ids import path_ids
+from coordination.domain.states import TASK_TERMINAL, MailboxMode, TaskState
 from coordination.models import Mailbox, Run, Task, TaskGroup
 from coordination.services import dispatch, sql, task_transitions
 from coordination.services.cascade import SubtreeEnd, cascade_step
@@ -28,7 +29,6 @@ from coordination.services.mailboxes import validate_max_attempts
 from coordination.services.retry import GroupMembershipChanged, retrying
 from coordination.services.sql import fast_paths_enabled
 from coordination.services.task_insert import task_insert
-from coordination.states import TASK_TERMINAL, MailboxMode, TaskState
 from coordination.tracing import NO_TRACE, TraceContext
 
 

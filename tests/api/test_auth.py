@@ -134,7 +134,7 @@ def test_bound_key_sees_only_its_subtree(project, api):
 
 
 def test_key_creation_validates_permissions(project):
-    from coordination.exceptions import ValidationFailed
+    from coordination.domain.exceptions import ValidationFailed
 
     with pytest.raises(ValidationFailed):
         api_key_create(project_id=project.id, permissions=["root"])

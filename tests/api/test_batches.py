@@ -5,8 +5,8 @@ from django.test import override_settings
 
 from coordination.api import throttling
 from coordination.api.throttling import LocalWindows
+from coordination.domain.states import TaskState
 from coordination.models import Event, Task
-from coordination.states import TaskState
 from tests.api.test_tasks import claim, err
 from tests.conftest import make_client
 

@@ -146,7 +146,7 @@ def test_first_accepted_succeeds_on_the_first_accept_and_cancels_the_rest(api, p
     assert {states[b["id"]], states[c["id"]]} == {"CANCELLED"}
     assert api.get(f"/v1/runs/{swarm.group['scopeId']}").json()["storedState"] == "CANCELLED"
     # Work still held by a worker is refused from the finalize on.
-    from coordination import exceptions
+    from coordination.domain import exceptions
 
     with pytest.raises(exceptions.ScopeCancelled):
         claim_complete(project_id=project.id, claim_id=held.claim_id, outcome=None)

@@ -20,10 +20,10 @@ import pytest
 from coordination import metrics
 from coordination.api import hot, longpoll, waits
 from coordination.api.hot import db as hot_db
+from coordination.domain.states import TaskState
 from coordination.models import Event, Mailbox, Task
 from coordination.services.runs import run_cancel
 from coordination.services.tasks import task_submit
-from coordination.states import TaskState
 from tests.api.test_hot_path import (
     answered,
     api_process,  # noqa: F401 - the fixture

@@ -32,6 +32,7 @@ from coordination import process_cache, selectors
 from coordination.api import hot
 from coordination.api.auth import Principal
 from coordination.api.hot import db as hot_db
+from coordination.domain.states import MailboxMode, Permission
 from coordination.logging import JsonFormatter
 from coordination.models import ApiKey, Run, Task
 from coordination.services.claims import claim_id_for, task_claim
@@ -39,7 +40,6 @@ from coordination.services.keys import api_key_authenticate, api_key_create, pro
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
-from coordination.states import MailboxMode, Permission
 from tests.api.test_process_cache import caches_on
 from tests.concurrency.util import run_closing
 from tests.tracing.conftest import spans  # noqa: F401 - the fixture: tracing on, an in-memory exporter

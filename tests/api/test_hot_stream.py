@@ -23,11 +23,11 @@ from django.utils import timezone
 from coordination import selectors
 from coordination.api import hot, longpoll, sse, waits
 from coordination.api.hot import db as hot_db
+from coordination.domain.states import Permission
 from coordination.models import Event, Project, Run
 from coordination.services.events import events_record_many
 from coordination.services.runs import run_create
 from coordination.services.timers import timer_fire
-from coordination.states import Permission
 from tests.api.test_hot_path import _cached_key, api_process, normalized  # noqa: F401 - the fixture
 from tests.api.test_hot_waits import UNKNOWN, WaitState, _key_id, cursors_hidden, fresh_wait_state
 from tests.api.test_process_cache import caches_on

@@ -26,6 +26,7 @@ from django.utils import timezone
 from coordination import metrics, selectors
 from coordination.api import hot, longpoll, waits
 from coordination.api.hot import db as hot_db
+from coordination.domain.states import Permission, Verdict
 from coordination.models import Event, Run, Task, TaskGroup
 from coordination.selectors import Visibility
 from coordination.services.barriers import barrier_arrive, barrier_create
@@ -36,7 +37,6 @@ from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
-from coordination.states import Permission, Verdict
 from tests.api.test_hot_path import (
     WRITE,
     State,

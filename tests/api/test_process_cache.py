@@ -14,10 +14,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from coordination import process_cache
+from coordination.domain.states import MailboxMode
 from coordination.models import ApiKey
 from coordination.services.keys import ALL_PERMISSIONS, api_key_authenticate, api_key_create, api_key_revoke
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
-from coordination.states import MailboxMode
 from tests.operator.live import uvicorn_server
 from tests.waiting import wait_until
 from tests.workers import live

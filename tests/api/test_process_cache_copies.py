@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from coordination import process_cache
+from coordination.domain.states import MailboxMode
 from coordination.models import ApiKey, Mailbox, Project, Run
 from coordination.services.keys import (
     ALL_PERMISSIONS,
@@ -24,7 +25,6 @@ from coordination.services.keys import (
     cached_key,
 )
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
-from coordination.states import MailboxMode
 
 
 @pytest.fixture

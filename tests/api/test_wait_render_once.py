@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from coordination.api.longpoll import db
+from coordination.domain.states import Permission, Verdict
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.groups import group_create, group_submit, group_verdict
 from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
-from coordination.states import Permission, Verdict
 from tests.operator.live import uvicorn_server
 from tests.waiting import until
 

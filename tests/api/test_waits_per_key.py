@@ -11,8 +11,8 @@ import pytest
 from django.test import override_settings
 
 from coordination.api.waits import waits_held
+from coordination.domain.states import Permission
 from coordination.services.keys import api_key_create
-from coordination.states import Permission
 from tests.concurrency.test_coalesced_waits import asgi_request, undecided_group
 from tests.waiting import until
 

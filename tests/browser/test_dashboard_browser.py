@@ -9,13 +9,13 @@ import re
 import pytest
 from playwright.async_api import async_playwright, expect
 
+from coordination.domain.states import RunState, Verdict
 from coordination.models import Run
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.groups import group_create, group_submit, group_verdict
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
-from coordination.states import RunState, Verdict
 from tests.browser.conftest import launch, log_in
 
 # The server process reads and writes the same database: everything here must be committed.

@@ -6,7 +6,7 @@ import threading
 import pytest
 from django.db import connection, connections
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Admission, AdmissionConfig, Event, Run
 from coordination.services.admissions import admission_configure, admission_request, admission_withdraw
 from coordination.services.keys import project_ensure

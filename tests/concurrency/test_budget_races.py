@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import ReservationState
 from coordination.models import Budget, BudgetReservation, Event
 from coordination.services.budgets import (
     budget_create,
@@ -18,7 +19,6 @@ from coordination.services.budgets import (
 )
 from coordination.services.keys import project_ensure
 from coordination.services.runs import run_cancel, run_create
-from coordination.states import ReservationState
 from tests.concurrency.util import race_a_cancel, run_in_threads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]

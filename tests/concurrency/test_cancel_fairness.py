@@ -12,7 +12,8 @@ from collections.abc import Callable
 import pytest
 from django.db import transaction
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import RunState
 from coordination.models import Run
 from coordination.services.budgets import budget_create, reservation_create
 from coordination.services.claims import task_claim
@@ -22,7 +23,6 @@ from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.quotas import quota_put, quota_take
 from coordination.services.runs import run_cancel, run_complete, run_create
 from coordination.services.tasks import TaskSpec, task_submit, tasks_submit_many
-from coordination.states import RunState
 from tests.concurrency.util import backend_pid, race_a_cancel, run_closing, waiting_on_a_lock
 from tests.waiting import WAIT_S, wait_until
 

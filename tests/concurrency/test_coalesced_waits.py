@@ -22,6 +22,7 @@ from django.utils import timezone
 from coordination.api.longpoll import watches
 from coordination.api.sse import Keepalive, event_feed
 from coordination.api.waits import waits_held
+from coordination.domain.states import Permission
 from coordination.models import Event
 from coordination.notify import CHANNEL, hub
 from coordination.selectors import event_cursor
@@ -31,7 +32,6 @@ from coordination.services.groups import group_close, group_create
 from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
-from coordination.states import Permission
 from tests.operator.live import Reader, asgi_http_scope, parse_frame, uvicorn_server
 from tests.waiting import WAIT_S, until, wait_until
 

@@ -14,7 +14,7 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Message
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure

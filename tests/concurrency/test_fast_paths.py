@@ -11,7 +11,8 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import TaskState
 from coordination.models import Event, Task
 from coordination.services.claims import (
     claim_complete,
@@ -24,7 +25,6 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import TaskSpec, task_submit, tasks_submit_many
-from coordination.states import TaskState
 from tests.concurrency.util import run_in_threads
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]

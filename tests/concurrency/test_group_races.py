@@ -7,7 +7,8 @@ import pytest
 from django.db import connection
 from django.db.models import Q
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import Verdict
 from coordination.models import Event, GroupMember, Task, TaskGroup
 from coordination.services.claims import claim_complete, claim_fail, task_claim
 from coordination.services.groups import group_close, group_create, group_submit, group_verdict
@@ -15,7 +16,6 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_cancel
-from coordination.states import Verdict
 from tests.concurrency.util import force_order, rounds, run_in_threads
 from tests.group_counts import assert_counts_match
 
@@ -49,7 +49,7 @@ def make_group(project, mailbox, *, members, succeed=(), fail=(), parent_id=None
 
 
 # An independent model of the condition table (DESIGN.md "Task groups"), used to audit the
-# recorded history; it deliberately does not import coordination.group_rules.
+# recorded history; it deliberately does not import coordination.domain.group_rules.
 def model_decision(condition, threshold, closed, members):
     accepted = sum(1 for state, verdict in members.values() if verdict == "ACCEPTED")
     rejected = sum(1 for state, verdict in members.values() if verdict == "REJECTED")

@@ -14,7 +14,7 @@ import pytest
 from django.db import transaction
 from django.db.models import F
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Task, TaskGroup
 from coordination.services.groups import group_create, group_join, group_submit
 from coordination.services.runs import run_cancel, run_create

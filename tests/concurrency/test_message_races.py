@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 from django.db import transaction
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import MessageState
 from coordination.models import Event, Message
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
@@ -17,7 +18,6 @@ from coordination.services.messages import (
     message_send,
 )
 from coordination.services.runs import run_cancel, run_create
-from coordination.states import MessageState
 from tests.concurrency.util import force_order, run_closing, run_in_threads
 from tests.waiting import WAIT_S, wait_until
 

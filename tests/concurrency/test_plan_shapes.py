@@ -26,13 +26,13 @@ from django.utils import timezone
 from psycopg import pq
 from psycopg.adapt import PyFormat
 
-from coordination.ids import uuid7
+from coordination.domain.ids import uuid7
+from coordination.domain.states import GroupCondition, PoolLeaseState, RunState, TaskState
 from coordination.models import Budget, Pool, PoolLease, Quota, Run, Task, TaskGroup
 from coordination.services import budgets, claims, groups, pools, quotas, runs, tasks
 from coordination.services import sql as service_sql
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
-from coordination.states import GroupCondition, PoolLeaseState, RunState, TaskState
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 

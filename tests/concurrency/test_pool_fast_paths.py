@@ -14,7 +14,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, Pool, PoolLease
 from coordination.services.keys import project_ensure
 from coordination.services.pools import pool_acquire, pool_lease_release, pool_lease_renew, pool_put, pool_wait_end

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, Task, TaskGroup
 from coordination.services.claims import claim_fail, task_claim
 from coordination.services.groups import group_create, group_join, group_submit

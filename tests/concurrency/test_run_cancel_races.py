@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Run
 from coordination.services.keys import project_ensure
 from coordination.services.runs import run_cancel, run_create

@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import TaskState
 from coordination.models import Event, Task
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_submit
-from coordination.states import TaskState
 from tests.concurrency.util import force_order, rounds, run_in_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)

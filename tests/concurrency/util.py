@@ -8,7 +8,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.db import connection, transaction
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from tests.waiting import WAIT_S, wait_until
 
 

@@ -12,11 +12,11 @@ from django.http import HttpRequest
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from coordination.domain.states import Effective, RunState
 from coordination.models import ApiKey, Event, Project, Run
 from coordination.selectors import runs_effective
 from coordination.services.keys import api_key_authenticate, api_key_create
 from coordination.services.runs import run_cancel, run_complete, run_create
-from coordination.states import Effective, RunState
 from tests.conftest import secret_of
 
 RUNS = reverse("admin:coordination_run_changelist")

@@ -11,11 +11,11 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
+from coordination.domain.states import BarrierState, TimerState
 from coordination.models import Barrier, Event, Timer
 from coordination.services.barriers import barrier_arrive, barrier_create, barrier_next_epoch
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.timers import timer_create
-from coordination.states import BarrierState, TimerState
 from workers.schedule import PERIODIC_SWEEPS
 
 BARRIERS = reverse("admin:coordination_barrier_changelist")

@@ -11,14 +11,14 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from coordination import exceptions
 from coordination.admin import groups as groups_admin
+from coordination.domain import exceptions
+from coordination.domain.states import GroupCondition, GroupOutcome, GroupState, MailboxMode, TaskState, Verdict
 from coordination.models import Event, Run, Task, TaskGroup
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.groups import group_close, group_create, group_submit, group_verdict
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
-from coordination.states import GroupCondition, GroupOutcome, GroupState, MailboxMode, TaskState, Verdict
 
 GROUPS = reverse("admin:coordination_taskgroup_changelist")
 

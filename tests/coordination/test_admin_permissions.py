@@ -11,11 +11,11 @@ from django.contrib.auth.models import Permission, User
 from django.test import RequestFactory
 from django.urls import reverse
 
+from coordination.domain.states import RunState
 from coordination.models import BudgetReservation, PoolLease, Run
 from coordination.services.budgets import budget_create, reservation_create
 from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.runs import run_create
-from coordination.states import RunState
 
 pytestmark = pytest.mark.django_db
 

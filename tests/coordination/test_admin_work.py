@@ -10,14 +10,14 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from coordination import exceptions
 from coordination.admin import work as work_admin
+from coordination.domain import exceptions
+from coordination.domain.states import MailboxMode, MessageState, TaskState
 from coordination.models import Event, Mailbox, Message, Task
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_cancel, task_submit
-from coordination.states import MailboxMode, MessageState, TaskState
 
 MAILBOXES = reverse("admin:coordination_mailbox_changelist")
 TASKS = reverse("admin:coordination_task_changelist")

@@ -29,7 +29,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, Task
 from coordination.services.claims import (
     claim_complete,

@@ -12,9 +12,9 @@ from django.db import connection
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordination.group_rules import GroupCounts, MemberFacts, decide, member_counts, recount
+from coordination.domain.group_rules import GroupCounts, MemberFacts, decide, member_counts, recount
+from coordination.domain.states import GroupCondition, TaskState, Verdict
 from coordination.services.groups import decides_sql
-from coordination.states import GroupCondition, TaskState, Verdict
 
 COUNTS = st.builds(
     GroupCounts,

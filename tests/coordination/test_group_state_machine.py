@@ -6,7 +6,7 @@ Hypothesis drives one fresh group per example (FIRST_ACCEPTED, N_ACCEPTED with t
 worker claiming on the gate and completing, failing or holding a member, cancelling a member,
 accept, reject, close, seal, the group's deadline passing (the sweep finalizes it), and
 cancelling or completing the parent run. Each step's answer (including the error code) is predicted by
-a small pure-Python model written from DESIGN.md alone (``coordination.group_rules`` is
+a small pure-Python model written from DESIGN.md alone (``coordination.domain.group_rules`` is
 deliberately not used); after every step the database must agree with the model, and the
 group's counters must equal a recount of the model's members (late verdicts included).
 
@@ -32,7 +32,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, GroupMember, Run, Task, TaskGroup
 from coordination.services.claims import claim_complete, claim_fail, claim_release, task_claim
 from coordination.services.groups import (

@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.services.keys import api_key_authenticate, api_key_create, api_key_revoke, project_ensure
 
 pytestmark = pytest.mark.django_db

@@ -13,6 +13,7 @@ from django.test import AsyncClient, override_settings
 from django.utils import timezone
 
 from coordination.api.longpoll import db
+from coordination.domain.states import GroupState, RunState, TaskState, TimerState
 from coordination.models import Run, Task, TaskGroup, Timer
 from coordination.services.barriers import barrier_create
 from coordination.services.claims import task_claim
@@ -22,7 +23,6 @@ from coordination.services.messages import message_send
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_submit
 from coordination.services.timers import timer_create
-from coordination.states import GroupState, RunState, TaskState, TimerState
 from tests.conftest import make_client
 
 DASHBOARD = "/admin/dashboard/"

@@ -13,6 +13,7 @@ import pytest
 from django.test import AsyncClient, override_settings
 
 from coordination.api.longpoll import db
+from coordination.domain.states import Permission
 from coordination.models import Event
 from coordination.selectors import Visibility, event_cursor, event_list
 from coordination.services.groups import group_close, group_create
@@ -20,7 +21,6 @@ from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.pools import pool_acquire, pool_put
 from coordination.services.runs import run_cancel, run_create
-from coordination.states import Permission
 from tests.operator.live import Reader, parse_frame, uvicorn_server
 from tests.waiting import WAIT_S
 

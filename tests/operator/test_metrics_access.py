@@ -8,13 +8,13 @@ import pytest
 from django.test import override_settings
 from rest_framework.test import APIClient
 
+from coordination.domain.states import Permission
 from coordination.services.budgets import budget_create
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.pools import pool_put
 from coordination.services.quotas import quota_put
 from coordination.services.runs import run_create
-from coordination.states import Permission
 from tests.conftest import make_client
 
 # The event fold reads committed events through the metrics view's own queries.

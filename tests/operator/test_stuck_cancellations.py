@@ -11,12 +11,12 @@ import time
 import pytest
 from django.utils import timezone
 
+from coordination.domain.states import TaskState
 from coordination.models import Task
 from coordination.services.claims import claim_complete, claim_renew, task_claim
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel, task_submit
-from coordination.states import TaskState
 from coordination.stuck_cancellations import MAINTENANCE, SIGNAL_USE, stuck_cancellations
 from tests.operator.test_dashboard import PANELS, text_of
 from tests.operator.test_metrics import scrape, value

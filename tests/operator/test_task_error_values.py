@@ -10,8 +10,8 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 
+from coordination.domain.task_errors import error_code
 from coordination.models import Event
-from coordination.task_errors import error_code
 from tests.conftest import make_client
 from tests.operator.test_metrics import scrape, total, value
 from tests.waiting import wait_until

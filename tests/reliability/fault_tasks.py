@@ -10,7 +10,7 @@ id and completion, and the services for the rest); it changes nothing they do.
 import os
 import time
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
 from tests.reliability.ledger import LEDGER_DIR_ENV, Ledger, process_ledger
 from workers import runstate_task
 

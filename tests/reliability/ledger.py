@@ -139,7 +139,7 @@ def error_code(error: BaseException) -> str | None:
     Service errors (``CoordinationError``) and SDK errors with an HTTP status are refusals;
     SDK transport errors and anything else are unknown.
     """
-    from coordination.exceptions import CoordinationError
+    from coordination.domain.exceptions import CoordinationError
 
     if isinstance(error, CoordinationError):
         return error.code

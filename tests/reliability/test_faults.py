@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, Task, TaskGroup
 from coordination.services.claims import claim_id_for
 from coordination.services.groups import group_create

@@ -13,7 +13,7 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, GroupMember, Task, TaskGroup
 from coordination.services.claims import claim_id_for
 from coordination.services.events import events_record_many

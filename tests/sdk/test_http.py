@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 import runstate
-from coordination import exceptions as server_exceptions
+from coordination.domain import exceptions as server_exceptions
 from runstate import (
     AsyncRunstate,
     AuthenticationError,
@@ -168,7 +168,7 @@ def server_error_classes():
 
 @pytest.mark.parametrize("server_cls", server_error_classes(), ids=lambda cls: cls.code)
 def test_every_code_the_server_raises_is_mapped(server_cls):
-    """Each error class of coordination/exceptions.py comes back as the SDK class of its status and code."""
+    """Each error class of coordination/domain/exceptions.py comes back as the SDK class of its status and code."""
 
     def handler(request):
         error = server_cls()

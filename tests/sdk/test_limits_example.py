@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
+from coordination.domain.states import PoolLeaseState
 from coordination.models import Budget, BudgetReservation, Event, Pool, PoolLease, Run
-from coordination.states import PoolLeaseState
 from tests.sdk.conftest import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -3,10 +3,10 @@
 import pytest
 from django.urls import reverse
 
+from coordination.domain.states import MailboxMode
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
-from coordination.states import MailboxMode
 from coordination.tracing import TraceContext
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

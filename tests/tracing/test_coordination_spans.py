@@ -11,13 +11,13 @@ import pytest
 from django.utils import timezone
 from opentelemetry import trace
 
+from coordination.domain.states import MailboxMode
 from coordination.models import Timer
 from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.groups import group_close, group_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.timers import timer_create, timer_fire, timers_fire_due
-from coordination.states import MailboxMode
 from tests.tracing.conftest import by_name, one, request_of
 from tests.tracing.test_work_trace import client
 

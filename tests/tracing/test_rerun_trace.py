@@ -10,12 +10,12 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from coordination.domain.states import MailboxMode
 from coordination.models import Task
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.reruns import task_rerun
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel, task_submit
-from coordination.states import MailboxMode
 from coordination.tracing import NO_TRACE, TraceContext, work_trace
 from tests.tracing.conftest import by_name, request_of
 from tests.tracing.test_work_trace import (

@@ -7,7 +7,7 @@ to the view inside it: the view's send is that span, so a request is one ``send`
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
-from coordination.exceptions import KeyConflict
+from coordination.domain.exceptions import KeyConflict
 from coordination.tracing import TraceContext, send_span
 from tests.tracing.conftest import one
 

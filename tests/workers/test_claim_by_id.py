@@ -12,14 +12,14 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import TaskState
 from coordination.models import Event, Task
 from coordination.services.claims import claim_complete, claim_id_for, task_claim_by_id
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_submit
-from coordination.states import TaskState
 from tests.concurrency.util import run_in_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, Mailbox, Task
 from coordination.services.claims import claim_fail, task_claim_by_id
 from coordination.services.dispatch import _send_wakes

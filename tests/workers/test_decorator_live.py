@@ -20,11 +20,11 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import TASK_TERMINAL
 from coordination.models import Event, Project, Task, TaskGroup
 from coordination.services.claims import claim_complete, claim_id_for, claim_renew
 from coordination.services.runs import run_cancel, run_create
-from coordination.states import TASK_TERMINAL
 from tests.conftest import make_client
 from tests.processes import stop_process_groups
 from tests.waiting import wait_until

@@ -13,10 +13,10 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from coordination.domain.states import TaskState
 from coordination.models import Task
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel
-from coordination.states import TaskState
 from tests.concurrency.util import run_in_threads
 from tests.waiting import wait_until
 from workers import runstate_task

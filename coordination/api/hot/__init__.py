@@ -99,7 +99,6 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.utils import json as drf_json
 
-from coordination import exceptions
 from coordination.api import edge, errors
 from coordination.api.auth import bearer_key, last_used_due, permission_needed
 from coordination.api.bodies import plain_body
@@ -107,6 +106,7 @@ from coordination.api.hot import db, endpoints, stream, waits
 from coordination.api.hot.endpoints import Call, Endpoint
 from coordination.api.hot.routes import HotRoutes
 from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
+from coordination.domain import exceptions
 from coordination.services.keys import cached_key
 from coordination.tracing import request_trace, tracing_on
 

@@ -39,6 +39,7 @@ from coordination.api.presenters import (
     present_task,
 )
 from coordination.api.views import work
+from coordination.domain.states import MailboxMode, TaskState
 from coordination.models import Mailbox, Task
 from coordination.selectors import RunRef, Visibility
 from coordination.services import dispatch, sql
@@ -47,7 +48,6 @@ from coordination.services.claims import batches, operations
 from coordination.services.claims.claim import Claim
 from coordination.services.keys import CachedKey
 from coordination.services.mailboxes import mailbox_cached
-from coordination.states import MailboxMode, TaskState
 from coordination.tracing import NO_TRACE, TraceContext
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from django.utils import timezone
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors
+from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api import waits
 from coordination.api.hot import db
@@ -33,9 +33,10 @@ from coordination.api.longpoll import Answer, Watched, long_poll
 from coordination.api.presenters import present_barrier, present_group, present_task, present_timer
 from coordination.api.views import clock, events, groups, work
 from coordination.api.views.base import shared_response
+from coordination.domain import exceptions
+from coordination.domain.states import TimerState
 from coordination.models import Barrier, Event, Task, Timer
 from coordination.services import sql
-from coordination.states import TimerState
 
 _renderer = JSONRenderer()
 

@@ -8,9 +8,9 @@ from coordination.api import admissions as a
 from coordination.api import serializers as s
 from coordination.api.longpoll import in_request, long_poll
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.domain.states import AdmissionState, Permission
 from coordination.models import AdmissionConfig
 from coordination.services import admissions as admission_services
-from coordination.states import AdmissionState, Permission
 
 
 class AdmissionConfigView(ApiView):

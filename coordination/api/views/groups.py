@@ -8,9 +8,9 @@ from coordination.api import serializers as s
 from coordination.api.longpoll import Answer, Watched, long_poll
 from coordination.api.presenters import present_decision, present_group, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.domain.states import GroupState, Permission, Verdict
 from coordination.selectors import Visibility
 from coordination.services import groups as group_services
-from coordination.states import GroupState, Permission, Verdict
 
 
 def fresh_group(visibility, group_id):

@@ -11,7 +11,7 @@ from coordination import metrics
 from coordination.api.auth import ApiKeyAuthentication, CanReadMetrics, MetricsScraper, MetricsTokenAuthentication
 from coordination.api.negotiation import FirstRenderer
 from coordination.api.views.base import ERRORS
-from coordination.states import Permission
+from coordination.domain.states import Permission
 
 
 class PrometheusTextRenderer(BaseRenderer):

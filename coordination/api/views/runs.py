@@ -7,8 +7,8 @@ from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.presenters import present_run
 from coordination.api.views.base import ApiView, with_errors
+from coordination.domain.states import Permission
 from coordination.services import runs as run_services
-from coordination.states import Permission
 
 
 def _present(run):

@@ -10,7 +10,7 @@ from coordination.api.presenters import present_event
 from coordination.api.serializers import EVENT_CURSOR, EventCursorField
 from coordination.api.sse import BATCH, event_stream_response, feed_frames, releasing
 from coordination.api.views.base import ERRORS, AsyncApiView
-from coordination.states import Permission
+from coordination.domain.states import Permission
 
 STREAM_DESCRIPTION = """\
 Server-Sent Events, one frame per event, oldest first:

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import exceptions, selectors, tracing
+from coordination import selectors, tracing
 from coordination.api import serializers as s
 from coordination.api.bodies import task_spec
 from coordination.api.longpoll import Answer, Watched, claim_long_poll, in_request, long_poll
@@ -17,12 +17,13 @@ from coordination.api.presenters import (
     present_task,
 )
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
+from coordination.domain import exceptions
+from coordination.domain.states import TASK_TERMINAL, MailboxMode, Permission
 from coordination.selectors import Visibility
 from coordination.services import claims as claim_services
 from coordination.services import tasks as task_services
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from coordination.services.reruns import task_rerun
-from coordination.states import TASK_TERMINAL, MailboxMode, Permission
 
 
 class MailboxView(ApiView):

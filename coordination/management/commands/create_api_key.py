@@ -17,7 +17,7 @@ from django.core.validators import validate_slug
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from coordination.exceptions import CoordinationError
+from coordination.domain.exceptions import CoordinationError
 from coordination.models import Run
 from coordination.services.keys import ALL_PERMISSIONS, api_key_create, project_ensure
 

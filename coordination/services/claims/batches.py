@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from django.utils import timezone
 
-from coordination import exceptions
-from coordination.exceptions import CoordinationError
+from coordination.domain import exceptions
+from coordination.domain.exceptions import CoordinationError
 from coordination.models import Task
 from coordination.services import sql
 from coordination.services.claims import careful

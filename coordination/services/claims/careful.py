@@ -12,7 +12,8 @@ from datetime import datetime, timedelta
 from django.db import transaction
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import TASK_TERMINAL, TaskState
 from coordination.models import Mailbox, Task
 from coordination.services import dispatch, task_transitions
 from coordination.services.claims.claim import Claim, claimed_event_data, parse_claim_id
@@ -29,7 +30,6 @@ from coordination.services.groups import LockedGroup
 from coordination.services.locking import run_chain_lock_active
 from coordination.services.retry import retrying
 from coordination.services.tasks import after_change, lock_task, record, run_refusal
-from coordination.states import TASK_TERMINAL, TaskState
 
 
 @transaction.atomic

@@ -4,8 +4,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from coordination import exceptions
-from coordination.ids import fence_id, fence_id_sql, parse_fence_id
+from coordination.domain import exceptions
+from coordination.domain.ids import fence_id, fence_id_sql, parse_fence_id
 from coordination.models import Task
 
 

@@ -16,12 +16,12 @@ from datetime import datetime
 
 from django.db.models import F, Q
 
+from coordination.domain.states import TASK_HELD, TaskState
 from coordination.models import Event, Task
 from coordination.services import dispatch, task_transitions
 from coordination.services.events import event_for
 from coordination.services.rules import Clause, Rule
 from coordination.services.sql import in_list, literal
-from coordination.states import TASK_HELD, TaskState
 
 
 def _lease_ahead(task: Task, now: datetime) -> bool:

@@ -9,7 +9,8 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import MailboxMode, TaskState
 from coordination.models import Mailbox, Task
 from coordination.services import dispatch, sql
 from coordination.services.claims import careful
@@ -26,7 +27,6 @@ from coordination.services.claims.statements import (
 )
 from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.services.sql import fast_paths_enabled
-from coordination.states import MailboxMode, TaskState
 
 MAX_CLAIMS_PER_CALL = 100
 

@@ -7,6 +7,7 @@ restated here.
 
 import uuid
 
+from coordination.domain.states import TASK_HELD, TaskState
 from coordination.models import Task
 from coordination.services import sql, task_transitions
 from coordination.services.claims.claim import CLAIMED_EVENT_DATA_SQL, parse_claim_id
@@ -14,7 +15,6 @@ from coordination.services.claims.leases import CLAIM_HOLDS, CLAIMABLE, RUN_DEAD
 from coordination.services.events import event_insert_sql
 from coordination.services.locking import CHAIN_ACTIVE_SQL, CHAIN_KEY_SHARE_CTE, chain_key_share_cte
 from coordination.services.sql import fast_paths_enabled, in_list, literal
-from coordination.states import TASK_HELD, TaskState
 
 _QUEUED, _CANCELLED = literal(TaskState.QUEUED), literal(TaskState.CANCELLED)
 

@@ -14,13 +14,13 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from coordination.ids import uuid7
+from coordination.domain.ids import uuid7
+from coordination.domain.states import MessageState
 from coordination.models import Message
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.messages import DELIVERY_HOLDS, EXTEND_SQL, message_send
 from coordination.services.runs import run_create
-from coordination.states import MessageState
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 

@@ -13,7 +13,7 @@ from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, GroupMember, Task, TaskGroup
 from coordination.services.claims import claim_complete, claim_fail, task_claim
 from coordination.services.claims.claim import claim_id_for

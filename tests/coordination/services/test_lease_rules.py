@@ -15,7 +15,8 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from coordination.ids import uuid7
+from coordination.domain.ids import uuid7
+from coordination.domain.states import TaskState
 from coordination.models import Task
 from coordination.services.claims.leases import CLAIM_HOLDS, CLAIMABLE, EXPIRY_DUE, RUN_DEADLINE_AHEAD, TAKEOVER_DUE
 from coordination.services.groups import group_create
@@ -23,7 +24,6 @@ from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
-from coordination.states import TaskState
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 

@@ -6,7 +6,7 @@ failed on its ``Location`` header: a 500 after the write (tests/api/test_hostile
 
 import pytest
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.pools import pool_get, pool_put

@@ -13,7 +13,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from bench.cancel import build
-from coordination import exceptions
+from coordination.domain import exceptions
+from coordination.domain.states import TASK_UNFINISHED
 from coordination.models import Barrier, Event, Message, Run, Task, Timer
 from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.claims import claim_complete, claim_fail, task_claim
@@ -22,7 +23,6 @@ from coordination.services.messages import message_receive, message_send
 from coordination.services.runs import run_cancel, run_complete, run_create, runs_sweep_deadlines
 from coordination.services.tasks import task_cancel, task_submit
 from coordination.services.timers import timer_create
-from coordination.states import TASK_UNFINISHED
 
 pytestmark = pytest.mark.django_db
 

@@ -1,4 +1,4 @@
-"""No SQL names a state by hand: state names are rendered from ``coordination.states``.
+"""No SQL names a state by hand: state names are rendered from ``coordination.domain.states``.
 
 A statement writes a state as ``sql.literal(TaskState.RUNNING)`` or ``sql.in_list(TASK_HELD)``
 (still a literal in the SQL, so partial indexes match even in generic plans), never as
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from django.db import models
 
-from coordination import states
+from coordination.domain import states
 from coordination.services import sql
 
 ROOT = Path(__file__).resolve().parents[3] / "coordination"

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from coordination import exceptions
+from coordination.domain import exceptions
 from coordination.models import Event, Run, Task
 from coordination.services.claims import claim_complete, claim_fail, claim_id_for, claim_renew, task_claim_by_id
 from coordination.services.groups import group_create, group_submit, group_verdict

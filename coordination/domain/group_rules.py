@@ -9,7 +9,7 @@ counters"), and ``member_counts`` is one member's share of them.
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from coordination.states import TASK_TERMINAL, GroupCondition, GroupOutcome, TaskState, Verdict
+from coordination.domain.states import TASK_TERMINAL, GroupCondition, GroupOutcome, TaskState, Verdict
 
 
 @dataclass(frozen=True)
