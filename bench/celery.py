@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     call_command("migrate", verbosity=0)
     # The submitting process reads the mailbox from the process cache, as an API process or a
     # worker does (``RunstateTask.submit``; issue 27).
-    from coordination import process_cache
+    from coordination.plumbing import process_cache
 
     process_cache.enable()
     broker_url = os.environ["CELERY_BROKER_URL"]

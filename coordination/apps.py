@@ -14,16 +14,16 @@ class CoordinationConfig(AppConfig):
         """Register the OpenAPI description of the API-key authentication; keep keys out of every log.
 
         Also: a process that saves or deletes an API key or a mailbox forgets its cached copy
-        at once (``coordination.process_cache``), and runstate's deployment checks are
-        registered (``coordination.checks``), and so is every step of the subtree cascade
+        at once (``coordination.plumbing.process_cache``), and runstate's deployment checks are
+        registered (``coordination.plumbing.checks``), and so is every step of the subtree cascade
         (``coordination.services.cascade``).
         """
         from django.db.models.signals import post_delete, post_save
 
-        from coordination import checks, process_cache  # noqa: F401 - checks registers the system checks
         from coordination.api import schema  # noqa: F401 - registers the extension
-        from coordination.logging import redact_every_handler
         from coordination.models import ApiKey, Mailbox
+        from coordination.plumbing import checks, process_cache  # noqa: F401 - checks registers the system checks
+        from coordination.plumbing.logging import redact_every_handler
 
         for model in (ApiKey, Mailbox):
             post_save.connect(

@@ -17,7 +17,7 @@ Requests under ``/v1/`` go through a handler of their own (``ApiASGIHandler``):
 - that thread is taken from a small pool of idle ones, rather than started for the request
   and ended with it; a wait gives it back while it waits (``longpoll.thread_release``), so
   a parked waiter holds no thread;
-- the process caches of API keys and mailboxes are on (``coordination/process_cache.py``);
+- the process caches of API keys and mailboxes are on (``coordination/plumbing/process_cache.py``);
 - a body is checked before it is read, and read no further than the limit
   (``coordination/api/edge.py``): a declared size over the limit is a 413, a body to an
   endpoint that needs a key is a 401 without a usable one, both before a byte of it is read.
@@ -121,7 +121,7 @@ class ApiASGIHandler(ASGIHandler):
         if scope["type"] != "http":
             raise ValueError(f"The API serves only HTTP connections, not {scope['type']}.")
         if not self._caches_on:
-            from coordination import process_cache
+            from coordination.plumbing import process_cache
 
             self._caches_on = True
             process_cache.enable()
@@ -353,7 +353,7 @@ setup_tracing("api")  # before Django loads its middleware: the Django instrumen
 site = get_asgi_application()  # sets Django up
 from coordination.api import edge, longpoll  # noqa: E402 - its models need Django set up
 from coordination.api.hot import HotRouter  # noqa: E402 - as edge
-from coordination.checks import refuse_unsafe_database_routes  # noqa: E402
+from coordination.plumbing.checks import refuse_unsafe_database_routes  # noqa: E402
 
 # A database route that would break behind a pooler in transaction mode stops the process here.
 refuse_unsafe_database_routes()

@@ -17,7 +17,7 @@ app.autodiscover_tasks(["workers"])
 @worker_init.connect
 @beat_init.connect
 def _refuse_unsafe_database_routes(sender=None, **kwargs) -> None:
-    """Stop a worker or beat whose database settings would break behind its pooler (coordination/checks.py).
+    """Stop a worker or beat whose database settings would break behind its pooler (coordination/plumbing/checks.py).
 
     Celery logs and swallows a signal handler's exceptions; ``SystemExit`` it lets through.
     """
@@ -27,7 +27,7 @@ def _refuse_unsafe_database_routes(sender=None, **kwargs) -> None:
 
     if not apps.ready:
         django.setup()
-    from coordination.checks import refuse_unsafe_database_routes
+    from coordination.plumbing.checks import refuse_unsafe_database_routes
 
     try:
         refuse_unsafe_database_routes()

@@ -58,7 +58,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     # First: the request id covers every other middleware's log lines, and the metrics time them.
-    "coordination.logging.RequestContextMiddleware",
+    "coordination.plumbing.logging.RequestContextMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -71,7 +71,7 @@ MIDDLEWARE = [
 # The stack of requests under /v1/ (runstate_project/asgi.py): the API authenticates with keys
 # and needs no session, CSRF, user or messages middleware.
 API_MIDDLEWARE = [
-    "coordination.logging.RequestContextMiddleware",
+    "coordination.plumbing.logging.RequestContextMiddleware",
     "coordination.api.middleware.ApiSecurityMiddleware",
 ]
 
@@ -111,7 +111,7 @@ def secret_key_generated(path: Path) -> str:
 
 # Production sets SECRET_KEY, the same on every machine (sessions and CSRF tokens signed by one
 # API process are checked by another); without it each VAR_DIR has a random key of its own,
-# which check --deploy reports (runstate.W001, coordination/checks.py).
+# which check --deploy reports (runstate.W001, coordination/plumbing/checks.py).
 SECRET_KEY_FILE = VAR_DIR / "secret_key"
 SECRET_KEY = os.environ.get("SECRET_KEY") or secret_key_generated(SECRET_KEY_FILE)
 
@@ -203,7 +203,7 @@ if DATABASE_URL:
     # RUNSTATE_DB_POOLER=transaction: DATABASE_URL goes through a pooler in transaction mode
     # (PgBouncer's pool_mode = transaction), so consecutive transactions of one connection may
     # run on different server sessions. Nothing may then rely on a session: prepared
-    # statements must be off (checked at start-up: coordination/checks.py) and Django's
+    # statements must be off (checked at start-up: coordination/plumbing/checks.py) and Django's
     # server-side cursors, which outside a transaction are WITH HOLD cursors, are not used.
     # "" (the default) or "session": a direct connection, or a pooler in session mode.
     RUNSTATE_DB_POOLER = os.environ.get("RUNSTATE_DB_POOLER", "").strip().lower()
@@ -226,7 +226,7 @@ if DATABASE_URL:
             # asks for a fresh one, so the pool is back within seconds of the server.
             "reconnect_timeout": 5.0,
         }
-    # The LISTEN hub's connection (coordination/notify.py): one session per API process that
+    # The LISTEN hub's connection (coordination/plumbing/notify.py): one session per API process that
     # must stay on one server backend for as long as it listens, so behind a pooler in
     # transaction mode it goes to PostgreSQL directly (or through a session-mode pool).
     # Default: DATABASE_URL.
@@ -353,7 +353,7 @@ RUNSTATE_METRICS_TOKEN = os.environ.get("RUNSTATE_METRICS_TOKEN", "")
 # (coordination/admin/login.py).
 RUNSTATE_ADMIN_LOGIN_LIMIT = os.environ.get("RUNSTATE_ADMIN_LOGIN_LIMIT", "5/15min")
 # Seconds an API process keeps an API key or mailbox it read (0: off). A change to either row
-# reaches every process through NOTIFY at once (coordination/process_cache.py); this bounds
+# reaches every process through NOTIFY at once (coordination/plumbing/process_cache.py); this bounds
 # how long an entry lives regardless.
 RUNSTATE_PROCESS_CACHE_S = float(os.environ.get("RUNSTATE_PROCESS_CACHE_S", "5"))
 # The API's hot path (coordination/api/hot): claim (a waiting one parked on the loop), complete, fail, release,
@@ -383,11 +383,11 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "filters": {
-        "request_id": {"()": "coordination.logging.RequestIdFilter"},
-        "redact": {"()": "coordination.logging.RedactFilter"},
+        "request_id": {"()": "coordination.plumbing.logging.RequestIdFilter"},
+        "redact": {"()": "coordination.plumbing.logging.RedactFilter"},
     },
     "formatters": {
-        "json": {"()": "coordination.logging.JsonFormatter"},
+        "json": {"()": "coordination.plumbing.logging.JsonFormatter"},
         "text": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"},
     },
     "handlers": {

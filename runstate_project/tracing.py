@@ -11,7 +11,7 @@ instrumentation (``server_spans``), whichever path answers them, the hot path or
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` (``django,asgi,celery,psycopg``) leaves any of them out.
 
 The work's own spans (``send`` / ``process`` / ``settle``, cancels, finalizes...) come from
-``coordination.tracing`` and ``runstate._tracing``; see docs/operations.md, "Tracing".
+``coordination.plumbing.tracing`` and ``runstate._tracing``; see docs/operations.md, "Tracing".
 """
 
 import logging
@@ -20,7 +20,7 @@ import os
 from django.urls import Resolver404, resolve
 from opentelemetry import trace
 
-from coordination.tracing import SERVER_SPAN
+from coordination.plumbing.tracing import SERVER_SPAN
 from runstate._tracing import configure, tracing_on
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ def span_details(scope: dict) -> tuple[str, dict]:
 
 
 def _keep_server_span(span, scope: dict) -> None:
-    scope[SERVER_SPAN] = span  # coordination.tracing.request_trace reads it, on the hot path and in a view's thread
+    # coordination.plumbing.tracing.request_trace reads it, on the hot path and in a view's thread.
+    scope[SERVER_SPAN] = span
 
 
 def server_spans(app):

@@ -116,7 +116,7 @@ def _process_caches_off():
     straight from the database, inside their own transactions.
     """
     yield
-    from coordination import process_cache
+    from coordination.plumbing import process_cache
 
     process_cache.disable()
 
@@ -133,7 +133,7 @@ def _stop_listener_before_dropping_the_database(django_db_setup, django_db_block
     """
     yield
     from coordination.api import sse
-    from coordination.notify import hub
+    from coordination.plumbing.notify import hub
 
     hub.stop()
     # An in-process event stream whose client let go without a disconnect (httpx's ASGI

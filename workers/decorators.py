@@ -50,7 +50,7 @@ _process_cache_lock = threading.Lock()
 
 
 def cache_mailboxes_in_this_worker(**signal_kwargs) -> None:
-    """Have this worker's processes read the mailbox of every submit through ``coordination.process_cache``."""
+    """Have this worker's processes read the mailbox of every submit through ``coordination.plumbing.process_cache``."""
     _process_cache["asked"] = True
 
 
@@ -59,7 +59,7 @@ def _start_process_cache_if_asked() -> None:
         return
     with _process_cache_lock:
         if _process_cache["started_in"] != os.getpid():
-            from coordination import process_cache
+            from coordination.plumbing import process_cache
 
             process_cache.enable()
             _process_cache["started_in"] = os.getpid()
@@ -196,7 +196,7 @@ class RunstateTask:
     def _project_and_mailbox(self):
         """Return the project id and the mailbox row, read through the process cache where it is on.
 
-        API and worker processes keep mailboxes in ``coordination.process_cache``, forgotten
+        API and worker processes keep mailboxes in ``coordination.plumbing.process_cache``, forgotten
         by NOTIFY when the row changes anywhere; elsewhere (no cache) this is one query.
         """
         from coordination.services.mailboxes import mailbox_get
@@ -249,7 +249,7 @@ class RunstateTask:
         the current span's trace context (the ``send`` span's when this process traces): the
         worker's span is its child.
         """
-        from coordination import tracing
+        from coordination.plumbing import tracing
         from coordination.services.tasks import task_submit
 
         project_id, mailbox = self._project_and_mailbox()
@@ -275,7 +275,7 @@ class RunstateTask:
         The tasks and their events are written by one statement on PostgreSQL, and after
         commit their Celery messages are published in one go (one producer), one per task.
         """
-        from coordination import tracing
+        from coordination.plumbing import tracing
         from coordination.services.tasks import TaskSpec, tasks_submit_many
 
         project_id, mailbox = self._project_and_mailbox()

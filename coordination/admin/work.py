@@ -25,10 +25,10 @@ from django.utils.timesince import timesince
 from coordination.domain.exceptions import CoordinationError, ValidationFailed
 from coordination.domain.states import TASK_HELD, MailboxMode, MessageState, TaskState
 from coordination.models import Mailbox, Message, Task
+from coordination.plumbing.tracing import TraceContext
 from coordination.services.claims import claim_id_for, claim_release
 from coordination.services.mailboxes import validate_lease_ttl_ms, validate_max_attempts
 from coordination.services.tasks import task_cancel
-from coordination.tracing import TraceContext
 
 from .base import (
     ProjectScopedAdmin,

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 from asgiref.sync import sync_to_async
 from django.db import connection
 
-from coordination import metrics
-from coordination.notify import SQLITE_POLL_S, hub
+from coordination.plumbing import metrics
+from coordination.plumbing.notify import SQLITE_POLL_S, hub
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from django.http import StreamingHttpResponse
 from coordination import selectors
 from coordination.api.longpoll import RECHECK_S, db, shared_db
 from coordination.models import Event
-from coordination.notify import ANY_TOPIC, SQLITE_POLL_S, hub
+from coordination.plumbing.notify import ANY_TOPIC, SQLITE_POLL_S, hub
 
 # Events read per database round trip; a full batch is followed by the next one at once.
 BATCH = 500

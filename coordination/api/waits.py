@@ -18,8 +18,8 @@ from collections import Counter
 
 from django.conf import settings
 
-from coordination import metrics
 from coordination.domain import exceptions
+from coordination.plumbing import metrics
 
 _lock = threading.Lock()  # the in-process test client runs views on loops of several threads
 _held: Counter[uuid.UUID] = Counter()

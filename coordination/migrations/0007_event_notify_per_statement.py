@@ -7,7 +7,7 @@ thousands of events sent thousands of notifications. This statement-level trigge
 PostgreSQL's 8,000-byte limit; a statement whose rows carry no topic still sends one empty
 payload, so the readers of every event (``ANY_TOPIC``) wake.
 
-Topics of a row (``coordination/notify.py`` explains why):
+Topics of a row (``coordination/plumbing/notify.py`` explains why):
 
 - its ``subject_id`` when not empty;
 - its ``run_id`` only for events that make work available on that run or change what a

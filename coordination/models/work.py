@@ -83,7 +83,7 @@ class Task(models.Model):
     rerun_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="reruns", db_index=False
     )
-    # The submitter's W3C trace context (``coordination.tracing``): a claim answers it, and the
+    # The submitter's W3C trace context (``coordination.plumbing.tracing``): a claim answers it, and the
     # worker's span is its child. Empty when the submitter traced nothing.
     traceparent = models.CharField(max_length=55, blank=True, default="", db_default="")
     tracestate = models.CharField(max_length=512, blank=True, default="", db_default="")

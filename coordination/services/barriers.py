@@ -12,10 +12,10 @@ from django.utils import timezone
 from coordination.domain import exceptions
 from coordination.domain.states import BarrierState
 from coordination.models import Barrier, BarrierArrival, Event, Run
+from coordination.plumbing.tracing import record_span
 from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
-from coordination.tracing import record_span
 
 MAX_TARGET = 100_000
 MAX_KEY_LENGTH = 200

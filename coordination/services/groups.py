@@ -32,6 +32,7 @@ from coordination.domain.states import (
 )
 from coordination.models import Event, GroupMember, Mailbox, Run, Task, TaskGroup
 from coordination.models.groups import MAX_MEMBERS
+from coordination.plumbing.tracing import NO_TRACE, TraceContext, span
 from coordination.services import dispatch, sql, task_transitions
 from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, cascade_step
 from coordination.services.events import (
@@ -53,7 +54,6 @@ from coordination.services.locking import (
 from coordination.services.retry import GroupDue, retrying
 from coordination.services.runs import run_create, run_end
 from coordination.services.task_insert import task_insert
-from coordination.tracing import NO_TRACE, TraceContext, span
 
 
 @dataclass

@@ -11,10 +11,10 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from coordination import process_cache
 from coordination.domain import exceptions
 from coordination.domain.states import Permission
 from coordination.models import ApiKey, Project, Run
+from coordination.plumbing import process_cache
 
 KEY_PREFIX_LENGTH = 12
 PROJECT_NAME_PATTERN = re.compile(r"^[-a-zA-Z0-9_]{1,100}$")

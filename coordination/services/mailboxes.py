@@ -5,10 +5,10 @@ import uuid
 
 from django.db import transaction
 
-from coordination import process_cache
 from coordination.domain import exceptions
 from coordination.domain.states import MailboxMode
 from coordination.models import Mailbox
+from coordination.plumbing import process_cache
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 LEASE_TTL_RANGE_MS = (100, 24 * 3600 * 1000)

@@ -25,13 +25,13 @@ from coordination.domain import exceptions
 from coordination.domain.ids import fence_id, parse_fence_id
 from coordination.domain.states import MailboxMode, MessageState, RunState
 from coordination.models import Event, Mailbox, Message, Run
+from coordination.plumbing.tracing import NO_TRACE, TraceContext
 from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, events_record_many
 from coordination.services.locking import chain_refusal, run_chain_lock, run_chain_lock_active
 from coordination.services.mailboxes import validate_lease_ttl_ms
 from coordination.services.rules import Clause, Rule
 from coordination.services.sql import columns, fast_paths_enabled, fetch_models, literal
-from coordination.tracing import NO_TRACE, TraceContext
 
 MAX_DELIVERIES_PER_CALL = 100
 MAX_DELAY_MS = 24 * 3600 * 1000

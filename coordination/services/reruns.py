@@ -20,10 +20,10 @@ from django.db import transaction
 from coordination.domain import exceptions
 from coordination.domain.states import TASK_TERMINAL
 from coordination.models import Task
+from coordination.plumbing.tracing import NO_TRACE, TraceContext, annotate, send_span, work_trace
 from coordination.services.events import event_written_here
 from coordination.services.groups import group_join, joining_chain_lock
 from coordination.services.tasks import task_submit
-from coordination.tracing import NO_TRACE, TraceContext, annotate, send_span, work_trace
 
 # ``input`` not given: rerun with the old task's input (``None`` is a valid JSON input).
 OLD_INPUT = object()

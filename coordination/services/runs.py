@@ -12,12 +12,12 @@ from coordination.domain import exceptions
 from coordination.domain.states import RunState
 from coordination.models import Run
 from coordination.models.runs import MAX_DEPTH
+from coordination.plumbing.tracing import NO_TRACE, TraceContext, annotate, span
 from coordination.services import dispatch
 from coordination.services.cascade import SubtreeEnd, subtree_end
 from coordination.services.events import event_record, events_mark, events_written_since
 from coordination.services.locking import LockMode, run_chain_lock, run_chain_lock_active
 from coordination.services.retry import retrying
-from coordination.tracing import NO_TRACE, TraceContext, annotate, span
 
 MAX_CHILD_LIMIT = 1_000_000
 

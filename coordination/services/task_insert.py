@@ -11,9 +11,9 @@ from datetime import datetime
 from django.utils import timezone
 
 from coordination.models import Mailbox, Run, Task, TaskGroup
+from coordination.plumbing.tracing import NO_TRACE, TraceContext
 from coordination.services import dispatch
 from coordination.services.events import event_for, events_record_many
-from coordination.tracing import NO_TRACE, TraceContext
 
 
 def task_insert(

@@ -20,6 +20,7 @@ from coordination.domain import exceptions
 from coordination.domain.ids import path_ids
 from coordination.domain.states import TASK_TERMINAL, MailboxMode, TaskState
 from coordination.models import Mailbox, Run, Task, TaskGroup
+from coordination.plumbing.tracing import NO_TRACE, TraceContext
 from coordination.services import dispatch, sql, task_transitions
 from coordination.services.cascade import SubtreeEnd, cascade_step
 from coordination.services.events import event_for, event_insert_sql, events_record_many
@@ -29,7 +30,6 @@ from coordination.services.mailboxes import validate_max_attempts
 from coordination.services.retry import GroupMembershipChanged, retrying
 from coordination.services.sql import fast_paths_enabled
 from coordination.services.task_insert import task_insert
-from coordination.tracing import NO_TRACE, TraceContext
 
 
 def record(task: Task, type: str, **data) -> None:

@@ -14,11 +14,11 @@ from django.utils import timezone
 from coordination.domain import exceptions
 from coordination.domain.states import TimerState
 from coordination.models import Event, Timer
+from coordination.plumbing.tracing import record_span
 from coordination.services import dispatch, sql
 from coordination.services.cascade import SubtreeEnd, cascade_step, subtree_rows_end
 from coordination.services.events import event_for, event_insert_sql, events_record_many
 from coordination.services.locking import run_chain_lock_active
-from coordination.tracing import record_span
 
 MAX_DELAY_S = 10 * 365 * 24 * 3600
 

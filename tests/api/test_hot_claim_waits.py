@@ -17,11 +17,11 @@ import uuid
 
 import pytest
 
-from coordination import metrics
 from coordination.api import hot, longpoll, waits
 from coordination.api.hot import db as hot_db
 from coordination.domain.states import TaskState
 from coordination.models import Event, Mailbox, Task
+from coordination.plumbing import metrics
 from coordination.services.runs import run_cancel
 from coordination.services.tasks import task_submit
 from tests.api.test_hot_path import (

@@ -28,13 +28,14 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from coordination import process_cache, selectors
+from coordination import selectors
 from coordination.api import hot
 from coordination.api.auth import Principal
 from coordination.api.hot import db as hot_db
 from coordination.domain.states import MailboxMode, Permission
-from coordination.logging import JsonFormatter
 from coordination.models import ApiKey, Run, Task
+from coordination.plumbing import process_cache
+from coordination.plumbing.logging import JsonFormatter
 from coordination.services.claims import claim_id_for, task_claim
 from coordination.services.keys import api_key_authenticate, api_key_create, project_ensure
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get

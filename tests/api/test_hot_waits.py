@@ -23,11 +23,12 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from coordination import metrics, selectors
+from coordination import selectors
 from coordination.api import hot, longpoll, waits
 from coordination.api.hot import db as hot_db
 from coordination.domain.states import Permission, Verdict
 from coordination.models import Event, Run, Task, TaskGroup
+from coordination.plumbing import metrics
 from coordination.selectors import Visibility
 from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.claims import claim_complete, task_claim

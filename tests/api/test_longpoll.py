@@ -9,7 +9,7 @@ import pytest
 from django.db import connection, transaction
 
 from coordination.models import Project
-from coordination.notify import hub
+from coordination.plumbing.notify import hub
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.events import event_record
 from coordination.services.mailboxes import mailbox_ensure

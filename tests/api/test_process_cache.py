@@ -1,4 +1,4 @@
-"""The per-process caches of API keys and mailboxes (coordination/process_cache.py).
+"""The per-process caches of API keys and mailboxes (coordination/plumbing/process_cache.py).
 
 A cached row costs a request no query; a change to the row, committed anywhere, is
 forgotten by every process through NOTIFY; nothing read before a reconnect or during an
@@ -13,9 +13,9 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from coordination import process_cache
 from coordination.domain.states import MailboxMode
 from coordination.models import ApiKey
+from coordination.plumbing import process_cache
 from coordination.services.keys import ALL_PERMISSIONS, api_key_authenticate, api_key_create, api_key_revoke
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get
 from tests.operator.live import uvicorn_server

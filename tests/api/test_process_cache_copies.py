@@ -1,4 +1,4 @@
-"""What the process caches hand out is each caller's own (coordination/process_cache.py).
+"""What the process caches hand out is each caller's own (coordination/plumbing/process_cache.py).
 
 An API process serves many requests at once from one cache: a key or mailbox that one
 request's thread changes (an attribute set, a related row touched, a list field appended to)
@@ -13,9 +13,9 @@ import threading
 
 import pytest
 
-from coordination import process_cache
 from coordination.domain.states import MailboxMode
 from coordination.models import ApiKey, Mailbox, Project, Run
+from coordination.plumbing import process_cache
 from coordination.services.keys import (
     ALL_PERMISSIONS,
     CachedKey,

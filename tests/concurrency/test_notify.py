@@ -16,7 +16,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from coordination.models import Event
-from coordination.notify import CHANNEL, hub
+from coordination.plumbing.notify import CHANNEL, hub
 from coordination.services.claims import claim_complete, claim_fail, claim_release, task_claim
 from coordination.services.events import events_record_many
 from coordination.services.mailboxes import mailbox_ensure

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordination.logging import (
+from coordination.plumbing.logging import (
     MAX_LOGGED_CHARS,
     JsonFormatter,
     RedactFilter,
@@ -162,7 +162,7 @@ def test_credential_parameters_are_masked_wherever_they_start(text, logged):
 
 def _redact_in_full(text: str) -> str:
     """``redact`` without its shortcut: both passes, whatever the text holds."""
-    from coordination import logging as runstate_logging
+    from coordination.plumbing import logging as runstate_logging
 
     text = runstate_logging._API_KEY.sub(rf"rs_\1_{runstate_logging.REDACTED}", text)
     kept, position = [], 0

@@ -1,7 +1,7 @@
 """Settings behind a pooler in transaction mode (issue 30, item 1; docs/deploy.md, "Behind PgBouncer").
 
 What the environment decides is read in a child process that loads the settings; the check
-(``coordination/checks.py``, runstate.E001-E003) and the LISTEN connection's parameters are
+(``coordination/plumbing/checks.py``, runstate.E001-E003) and the LISTEN connection's parameters are
 checked in-process against settings overridden as the environment would set them. The stack
 itself runs behind a real PgBouncer in tests/reliability/test_pgbouncer.py.
 """
@@ -16,8 +16,8 @@ import dj_database_url
 import pytest
 from django.test import override_settings
 
-from coordination.checks import database_route_errors, refuse_unsafe_database_routes
-from coordination.notify import listen_params
+from coordination.plumbing.checks import database_route_errors, refuse_unsafe_database_routes
+from coordination.plumbing.notify import listen_params
 from tests.operator.live import ROOT
 
 POOLED = "postgres://runstate:pw@pgbouncer.internal:6432/runstate"
@@ -170,7 +170,7 @@ def test_check_deploy_runs_the_pooler_check(tmp_path):
 
 # What would keep state on a server session, which a transaction pool hands to another client
 # between transactions (docs/deploy.md, "Behind PgBouncer"). The LISTEN connection
-# (coordination/notify.py) is the one session runstate keeps, on a connection of its own.
+# (coordination/plumbing/notify.py) is the one session runstate keeps, on a connection of its own.
 SESSION_STATE = {
     "a session-level advisory lock": re.compile(r"pg_(try_)?advisory_lock(_shared)?\s*\(", re.I),
     "a session setting": re.compile(r"""execute\(\s*f?["']+\s*SET\s+(?!LOCAL\b)(SESSION\s+)?\w+\s*(=|TO\b)""", re.I),
@@ -180,7 +180,7 @@ SESSION_STATE = {
     "an explicit prepared statement": re.compile(r"\bprepare\s*=\s*True|\bPREPARE\s+\w+\s+(\(|AS\b)", re.I),
     "a LISTEN outside the hub": re.compile(r"""execute\(\s*f?["']LISTEN\b""", re.I),
 }
-SESSION_STATE_ALLOWED = {("coordination/notify.py", "a LISTEN outside the hub")}
+SESSION_STATE_ALLOWED = {("coordination/plumbing/notify.py", "a LISTEN outside the hub")}
 
 
 def test_no_code_keeps_state_on_a_server_session():

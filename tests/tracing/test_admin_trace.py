@@ -4,10 +4,10 @@ import pytest
 from django.urls import reverse
 
 from coordination.domain.states import MailboxMode
+from coordination.plumbing.tracing import TraceContext
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_submit
-from coordination.tracing import TraceContext
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

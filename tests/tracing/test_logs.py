@@ -5,7 +5,7 @@ import logging
 
 from opentelemetry import trace
 
-from coordination.logging import JsonFormatter
+from coordination.plumbing.logging import JsonFormatter
 
 
 def formatted(message: str) -> dict:

@@ -12,11 +12,11 @@ from opentelemetry.trace import SpanKind
 
 from coordination.domain.states import MailboxMode
 from coordination.models import Task
+from coordination.plumbing.tracing import NO_TRACE, TraceContext, work_trace
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.reruns import task_rerun
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel, task_submit
-from coordination.tracing import NO_TRACE, TraceContext, work_trace
 from tests.tracing.conftest import by_name, request_of
 from tests.tracing.test_work_trace import (
     CALLER_SPAN_ID,

@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
 from coordination.domain.exceptions import KeyConflict
-from coordination.tracing import TraceContext, send_span
+from coordination.plumbing.tracing import TraceContext, send_span
 from tests.tracing.conftest import one
 
 CALLER = TraceContext.from_headers("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "vendor=1")

@@ -4,7 +4,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from coordination import process_cache
+from coordination.plumbing import process_cache
 from coordination.services.runs import run_create
 from tests.api.test_process_cache import committed_elsewhere
 from tests.waiting import wait_until

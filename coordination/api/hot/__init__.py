@@ -53,7 +53,7 @@ to its end and is handed back (``Endpoint.abandon``): nothing stays held for a c
 make their views' spans (``Endpoint.traced``: the claim operations, the claims without a
 wait, the submits) and leaves the others' requests to their views, untouched. A served
 request makes the trace its view makes: a submit's ``send`` span (``Endpoint.spans``:
-``coordination.tracing.send_span``, the child of the request's ``traceparent``), open around
+``coordination.plumbing.tracing.send_span``, the child of the request's ``traceparent``), open around
 the statement, an error recorded on it, its context the one the tasks store; the statement's
 span from the psycopg instrumentation, which covers the pool's ``AsyncConnection`` (under the
 ``send`` span; a root of its own for a claim's operation, as on the DRF path). A request
@@ -61,7 +61,7 @@ handed to the view is answered inside that span and the view's ``send_span`` joi
 ``send`` span per request, whichever path answers.
 Both paths run under the request's SERVER span, the ASGI instrumentation's around the whole
 ``/v1`` application (``runstate_project.tracing.server_spans``), found through the scope
-(``coordination.tracing.request_trace``).
+(``coordination.plumbing.tracing.request_trace``).
 
 **Equivalence.** ``tests/api/test_hot_path.py`` sends a fixed table of requests (valid,
 invalid, unknown claim, lost lease, unauthorized, foreign project, bound key, rate limited)
@@ -107,8 +107,8 @@ from coordination.api.hot.endpoints import Call, Endpoint
 from coordination.api.hot.routes import HotRoutes
 from coordination.api.throttling import COUNTED_ATTRIBUTE, body_cost, rate_wait_async
 from coordination.domain import exceptions
+from coordination.plumbing.tracing import request_trace, tracing_on
 from coordination.services.keys import cached_key
-from coordination.tracing import request_trace, tracing_on
 
 # What the hot path answered (by endpoint; ``throttled``; ``refused``: a service's error) and
 # handed to the views (``careful``, after its statement touched no row; ``declined``, before

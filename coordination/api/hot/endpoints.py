@@ -23,7 +23,7 @@ from django.db import IntegrityError
 from django.utils import timezone
 from rest_framework.response import Response
 
-from coordination import selectors, tracing
+from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api import waits
 from coordination.api.auth import Principal
@@ -41,6 +41,8 @@ from coordination.api.presenters import (
 from coordination.api.views import work
 from coordination.domain.states import MailboxMode, TaskState
 from coordination.models import Mailbox, Task
+from coordination.plumbing import tracing
+from coordination.plumbing.tracing import NO_TRACE, TraceContext
 from coordination.selectors import RunRef, Visibility
 from coordination.services import dispatch, sql
 from coordination.services import tasks as task_services
@@ -48,7 +50,6 @@ from coordination.services.claims import batches, operations
 from coordination.services.claims.claim import Claim
 from coordination.services.keys import CachedKey
 from coordination.services.mailboxes import mailbox_cached
-from coordination.tracing import NO_TRACE, TraceContext
 
 logger = logging.getLogger(__name__)
 

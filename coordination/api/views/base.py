@@ -7,12 +7,12 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from coordination import metrics
 from coordination.api import longpoll, waits
 from coordination.api.bodies import plain_body
 from coordination.api.serializers import ErrorOut
+from coordination.plumbing import metrics
+from coordination.plumbing.tracing import TraceContext, request_trace
 from coordination.selectors import Visibility
-from coordination.tracing import TraceContext, request_trace
 
 ERRORS = {
     status: OpenApiResponse(ErrorOut, description=description)

@@ -9,7 +9,7 @@ from coordination.api.longpoll import Watched, long_poll
 from coordination.api.presenters import present_event
 from coordination.api.views.base import AsyncApiView, with_errors
 from coordination.domain.states import Permission
-from coordination.notify import ANY_TOPIC
+from coordination.plumbing.notify import ANY_TOPIC
 from coordination.selectors import Visibility
 
 

@@ -7,11 +7,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.views import APIView
 
-from coordination import metrics
 from coordination.api.auth import ApiKeyAuthentication, CanReadMetrics, MetricsScraper, MetricsTokenAuthentication
 from coordination.api.negotiation import FirstRenderer
 from coordination.api.views.base import ERRORS
 from coordination.domain.states import Permission
+from coordination.plumbing import metrics
 
 
 class PrometheusTextRenderer(BaseRenderer):
@@ -24,7 +24,7 @@ class PrometheusTextRenderer(BaseRenderer):
 
 
 class MetricsView(APIView):
-    """Every ``runstate_*`` metric (see ``coordination.metrics`` for where each comes from).
+    """Every ``runstate_*`` metric (see ``coordination.plumbing.metrics`` for where each comes from).
 
     ``RUNSTATE_METRICS_TOKEN`` sees every project's series and the service's own (requests,
     sweeps, the event fold); a key with ``coordination_read`` sees its project's series read

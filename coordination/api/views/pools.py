@@ -8,7 +8,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 
-from coordination import selectors, tracing
+from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import db, in_request, long_poll
 from coordination.api.presenters import iso
@@ -16,6 +16,7 @@ from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain import exceptions
 from coordination.domain.states import Permission, PoolLeaseState
 from coordination.models import Pool, PoolLease
+from coordination.plumbing import tracing
 from coordination.services import pools as pool_services
 
 # Shapes ------------------------------------------------------------------------------------

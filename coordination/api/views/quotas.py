@@ -5,14 +5,15 @@ import asyncio
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors, tracing
+from coordination import selectors
 from coordination.api import limit_shapes as ls
 from coordination.api import serializers as s
 from coordination.api.longpoll import RECHECK_S, db, in_request
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain import exceptions
 from coordination.domain.states import Permission
-from coordination.notify import hub
+from coordination.plumbing import tracing
+from coordination.plumbing.notify import hub
 from coordination.services import quotas as quota_services
 
 # On SQLite (no NOTIFY) a waiting take re-checks its run at least this often.

@@ -63,7 +63,7 @@ class NarrowClaim:
     input: Any
     attempt: int
     lease_ttl_ms: int
-    traceparent: str = ""  # the submitter's W3C context (coordination.tracing)
+    traceparent: str = ""  # the submitter's W3C context (coordination.plumbing.tracing)
     tracestate: str = ""
     group_id: uuid.UUID | None = None
 

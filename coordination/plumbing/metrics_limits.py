@@ -1,4 +1,4 @@
-"""Gauges of quotas and budgets, read at each scrape (``coordination.metrics.DatabaseCollector``)."""
+"""Gauges of quotas and budgets, read at each scrape (``coordination.plumbing.metrics.DatabaseCollector``)."""
 
 import uuid
 from datetime import datetime

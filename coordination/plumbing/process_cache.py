@@ -7,7 +7,7 @@ turns the caches off), and forgets an entry as soon as its row changes anywhere:
 
 - on PostgreSQL, triggers (migration 0009) send ``NOTIFY runstate_cache, '<row id>'`` when
   a key or mailbox row is updated or deleted (``'*'`` on TRUNCATE). The process's LISTEN
-  connection (``coordination.notify.hub``) drops the entry, so a revoked key is refused by
+  connection (``coordination.plumbing.notify.hub``) drops the entry, so a revoked key is refused by
   every process within the notification's delivery, milliseconds after the revoke commits;
 - in the process that writes the row, at once (``post_save`` / ``post_delete``), before it
   commits.
@@ -41,7 +41,7 @@ from typing import Any
 
 from django.conf import settings
 
-from coordination.notify import CacheFeed, hub
+from coordination.plumbing.notify import CacheFeed, hub
 
 ALL = "*"
 MAX_ENTRIES = 10_000  # per cache; a full cache starts again rather than evicting one by one

@@ -4,7 +4,7 @@
 in a context variable for the request's duration, answers it in the ``X-Request-ID``
 response header, counts the request for ``/v1/metrics`` and logs one line per request.
 ``JsonFormatter`` writes every log record as one JSON object with that ``requestId`` and, when a
-span is active (``coordination.tracing``), its ``trace_id`` and ``span_id``.
+span is active (``coordination.plumbing.tracing``), its ``trace_id`` and ``span_id``.
 
 No API key reaches a log in plaintext, wherever a caller put it (a query string, the path,
 an odd header): ``redact`` masks the secret of anything shaped like a key and the value of
@@ -219,7 +219,7 @@ class RequestContextMiddleware:
 
     @staticmethod
     def _end(request, response, started: float):
-        from coordination.metrics import observe_request
+        from coordination.plumbing.metrics import observe_request
 
         seconds = time.perf_counter() - started
         response[REQUEST_ID_HEADER] = request.request_id

@@ -35,7 +35,7 @@ directly (``listen_params``; docs/deploy.md, "Behind PgBouncer").
 The same connection listens on ``CACHE_CHANNEL`` for changed cached rows (API keys and
 mailboxes): the listener that ``start_cache_listener`` picks (the API's loop, or a loop of its
 own in a process without one) hands them to the ``CacheFeed`` it was given
-(``coordination/process_cache.py`` gives its own): the caches sit above their
+(``coordination/plumbing/process_cache.py`` gives its own): the caches sit above their
 notifications, and this module knows them only by that feed.
 """
 

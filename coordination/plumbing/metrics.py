@@ -268,7 +268,7 @@ class DatabaseCollector:
             for sweep, seconds in sweep_lags(now).items():
                 lag.add_metric([sweep], seconds)
             yield lag
-        from coordination.metrics_limits import limit_families
+        from coordination.plumbing.metrics_limits import limit_families
 
         yield from limit_families(now, pid)
 
