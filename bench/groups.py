@@ -78,7 +78,7 @@ def concurrently(calls):
 
 def seen_by_reader(project_id, group_id, timeout_s: float = 30.0) -> float:
     """Poll the event cursor until ``group.finalized`` of the group shows; return when (perf_counter)."""
-    from coordination.selectors import Visibility, event_list
+    from coordination.reads.selectors import Visibility, event_list
 
     visibility, cursor = Visibility(project_id=project_id), None
     deadline = time.perf_counter() + timeout_s

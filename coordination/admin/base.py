@@ -10,7 +10,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from coordination.models import Project
-from coordination.project_scope import of_projects, project_scope, visible_projects
+from coordination.reads.project_scope import of_projects, project_scope, visible_projects
 
 
 def change_url(obj: Model) -> str:
@@ -61,7 +61,7 @@ class VisibleRelatedFilter(admin.RelatedFieldListFilter):
 
 
 class ProjectScopedAdmin(admin.ModelAdmin):
-    """Show a staff user only the rows of the projects they may see (``coordination.project_scope``).
+    """Show a staff user only the rows of the projects they may see (``coordination.reads.project_scope``).
 
     The lists, the change pages (a row of another project is answered as one that does not
     exist), the actions (they act on the listed rows), the project filter and the project

@@ -18,7 +18,7 @@ from django.utils.html import format_html, format_html_join
 from coordination.domain.exceptions import CoordinationError
 from coordination.domain.states import GroupCondition, GroupState, Verdict
 from coordination.models import GroupMember, TaskGroup
-from coordination.selectors import group_is_due
+from coordination.reads.selectors import group_is_due
 from coordination.services.groups import group_close
 
 from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, count_of, parse_uuid

@@ -1,7 +1,7 @@
 """Projects: created through ``project_ensure``, never renamed or deleted here.
 
 A project's change page edits only its ``staff_groups``: the staff who see it in the admin
-and the dashboard besides superusers (``coordination.project_scope``).
+and the dashboard besides superusers (``coordination.reads.project_scope``).
 """
 
 from django.contrib import admin

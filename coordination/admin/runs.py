@@ -30,7 +30,7 @@ from coordination.domain.states import (
     TimerState,
 )
 from coordination.models import Barrier, Message, Run, Task, TaskGroup, Timer
-from coordination.selectors import EffectiveState, runs_effective
+from coordination.reads.selectors import EffectiveState, runs_effective
 from coordination.services.runs import run_cancel, run_complete
 
 from .base import ProjectScopedAdmin, ServiceBackedAdmin, change_link, change_url, changelist_url, count_of, parse_uuid

@@ -2,7 +2,6 @@
 
 from rest_framework import serializers
 
-from coordination import selectors
 from coordination.api.presenters import iso, present_run
 from coordination.api.serializers import (
     MAX_KEY_LENGTH,
@@ -14,6 +13,7 @@ from coordination.api.serializers import (
 )
 from coordination.domain.states import AdmissionState
 from coordination.models import Admission, AdmissionConfig
+from coordination.reads import selectors
 from coordination.services.admissions import MAX_ACTIVE, admission_position
 
 

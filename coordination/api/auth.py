@@ -10,7 +10,7 @@ from rest_framework.exceptions import AuthenticationFailed
 
 from coordination.domain.states import Permission
 from coordination.models import ApiKey
-from coordination.selectors import Visibility
+from coordination.reads.selectors import Visibility
 from coordination.services.keys import api_key_authenticate
 
 # Touch last_used_at at most this often, so a busy key does not write on every request.

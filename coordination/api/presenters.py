@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 from coordination.domain.exceptions import CoordinationError
 from coordination.domain.states import TaskState
 from coordination.models import Barrier, Event, GroupMember, Mailbox, Message, Run, Task, TaskGroup, Timer
-from coordination.selectors import EffectiveState, event_cursor, mailbox_names
+from coordination.reads.selectors import EffectiveState, event_cursor, mailbox_names
 from coordination.services.claims import Claim
 from coordination.services.messages import Delivery
 

@@ -19,10 +19,10 @@ from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.http import StreamingHttpResponse
 
-from coordination import selectors
 from coordination.api.longpoll import RECHECK_S, db, shared_db
 from coordination.models import Event
 from coordination.plumbing.notify import ANY_TOPIC, SQLITE_POLL_S, hub
+from coordination.reads import selectors
 
 # Events read per database round trip; a full batch is followed by the next one at once.
 BATCH = 500

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from django.db.models import Q
 
 from coordination.models import AdmissionConfig
-from coordination.project_scope import ProjectScope, of_projects
+from coordination.reads.project_scope import ProjectScope, of_projects
 
 ROWS = 20
 

@@ -5,7 +5,7 @@ from django.utils import timezone
 from coordination.admin.base import change_url
 from coordination.domain.states import RunState
 from coordination.models import Budget, Quota
-from coordination.project_scope import ProjectScope, of_projects
+from coordination.reads.project_scope import ProjectScope, of_projects
 from coordination.services.quotas import available
 
 # The panel shows this many budgets of active runs, the fullest first.

@@ -1,7 +1,7 @@
 """What the dashboard shows, read in a few grouped queries per panel.
 
 Every function takes the projects to cover (``ProjectScope``): every project (None), one,
-or the ones the staff user may see (``coordination.project_scope``).
+or the ones the staff user may see (``coordination.reads.project_scope``).
 """
 
 import uuid
@@ -26,8 +26,8 @@ from coordination.domain.states import (
     TimerState,
 )
 from coordination.models import Barrier, Event, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
-from coordination.project_scope import ProjectScope, of_projects
-from coordination.selectors import EffectiveState, runs_effective
+from coordination.reads.project_scope import ProjectScope, of_projects
+from coordination.reads.selectors import EffectiveState, runs_effective
 
 # Panels list at most this many rows; the admin's changelists have the rest.
 ROWS = 50

@@ -30,9 +30,15 @@ from coordination.dashboard.admissions import admission_lines
 from coordination.dashboard.charts import stacked_bars
 from coordination.dashboard.limits import quota_budget_rows
 from coordination.models import Event, Project, Task
-from coordination.project_scope import ProjectScope, of_projects, project_scope, sees_every_project, visible_projects
-from coordination.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
-from coordination.stuck_cancellations import stuck_cancellations
+from coordination.reads.project_scope import (
+    ProjectScope,
+    of_projects,
+    project_scope,
+    sees_every_project,
+    visible_projects,
+)
+from coordination.reads.selectors import EVENT_CURSOR_START, Visibility, event_head, event_list
+from coordination.reads.stuck_cancellations import stuck_cancellations
 
 PANELS = (
     "counts",

@@ -14,7 +14,7 @@ class Project(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     # Who among the staff sees the project in the admin and the dashboard, besides superusers
-    # and holders of view_every_project (coordination/project_scope.py).
+    # and holders of view_every_project (coordination/reads/project_scope.py).
     staff_groups = models.ManyToManyField(
         "auth.Group",
         blank=True,

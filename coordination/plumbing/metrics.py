@@ -49,8 +49,8 @@ from coordination.domain.states import (
 )
 from coordination.domain.task_errors import error_code
 from coordination.models import Barrier, Mailbox, Message, Project, Run, Task, TaskGroup, Timer
-from coordination.selectors import EVENT_CURSOR_START, Visibility, event_list
-from coordination.stuck_cancellations import cancellations_by_mailbox
+from coordination.reads.selectors import EVENT_CURSOR_START, Visibility, event_list
+from coordination.reads.stuck_cancellations import cancellations_by_mailbox
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

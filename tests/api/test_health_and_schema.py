@@ -6,7 +6,7 @@ from rest_framework import serializers as drf
 
 from coordination.api import serializers
 from coordination.models import Event
-from coordination.selectors import event_cursor
+from coordination.reads.selectors import event_cursor
 from coordination.services.budgets import budget_create
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create

@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from coordination import selectors
 from coordination.api import hot
 from coordination.api.auth import Principal
 from coordination.api.hot import db as hot_db
@@ -36,6 +35,7 @@ from coordination.domain.states import MailboxMode, Permission
 from coordination.models import ApiKey, Run, Task
 from coordination.plumbing import process_cache
 from coordination.plumbing.logging import JsonFormatter
+from coordination.reads import selectors
 from coordination.services.claims import claim_id_for, task_claim
 from coordination.services.keys import api_key_authenticate, api_key_create, project_ensure
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get

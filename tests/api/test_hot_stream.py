@@ -20,11 +20,11 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from coordination import selectors
 from coordination.api import hot, longpoll, sse, waits
 from coordination.api.hot import db as hot_db
 from coordination.domain.states import Permission
 from coordination.models import Event, Project, Run
+from coordination.reads import selectors
 from coordination.services.events import events_record_many
 from coordination.services.runs import run_create
 from coordination.services.timers import timer_fire

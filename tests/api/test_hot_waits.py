@@ -23,13 +23,13 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from coordination import selectors
 from coordination.api import hot, longpoll, waits
 from coordination.api.hot import db as hot_db
 from coordination.domain.states import Permission, Verdict
 from coordination.models import Event, Run, Task, TaskGroup
 from coordination.plumbing import metrics
-from coordination.selectors import Visibility
+from coordination.reads import selectors
+from coordination.reads.selectors import Visibility
 from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.claims import claim_complete, task_claim
 from coordination.services.groups import group_create, group_submit, group_verdict

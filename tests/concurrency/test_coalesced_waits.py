@@ -25,7 +25,7 @@ from coordination.api.waits import waits_held
 from coordination.domain.states import Permission
 from coordination.models import Event
 from coordination.plumbing.notify import CHANNEL, hub
-from coordination.selectors import event_cursor
+from coordination.reads.selectors import event_cursor
 from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.events import events_record_many
 from coordination.services.groups import group_close, group_create

@@ -15,7 +15,7 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from coordination.models import Event
-from coordination.selectors import (
+from coordination.reads.selectors import (
     EVENT_HORIZON_NOW_SQL,
     EVENT_HORIZON_TRIES,
     Visibility,

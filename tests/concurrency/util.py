@@ -201,7 +201,7 @@ def read_events_until(done: threading.Event, visibility, *, limit: int = 7) -> l
     ``done`` is read before each page, so a page read after the last write has committed
     comes back empty only once every event has been read.
     """
-    from coordination.selectors import event_list
+    from coordination.reads.selectors import event_list
 
     seen, cursor = [], None
     while True:

@@ -14,7 +14,7 @@ from django.urls import reverse
 
 from coordination.domain.states import Effective, RunState
 from coordination.models import ApiKey, Event, Project, Run
-from coordination.selectors import runs_effective
+from coordination.reads.selectors import runs_effective
 from coordination.services.keys import api_key_authenticate, api_key_create
 from coordination.services.runs import run_cancel, run_complete, run_create
 from tests.conftest import secret_of

@@ -18,7 +18,7 @@ from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
 from coordination.models import Event
-from coordination.selectors import Visibility, event_cursor, event_feed, event_feed_head, event_head, event_list
+from coordination.reads.selectors import Visibility, event_cursor, event_feed, event_feed_head, event_head, event_list
 from coordination.services import event_partitions
 from coordination.services.event_partitions import (
     DEFAULT_PARTITION,

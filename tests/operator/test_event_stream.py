@@ -15,7 +15,7 @@ from django.test import AsyncClient, override_settings
 from coordination.api.longpoll import db
 from coordination.domain.states import Permission
 from coordination.models import Event
-from coordination.selectors import Visibility, event_cursor, event_list
+from coordination.reads.selectors import Visibility, event_cursor, event_list
 from coordination.services.groups import group_close, group_create
 from coordination.services.keys import api_key_create
 from coordination.services.mailboxes import mailbox_ensure

@@ -13,11 +13,11 @@ from django.utils import timezone
 
 from coordination.domain.states import TaskState
 from coordination.models import Task
+from coordination.reads.stuck_cancellations import MAINTENANCE, SIGNAL_USE, stuck_cancellations
 from coordination.services.claims import claim_complete, claim_renew, task_claim
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel, task_submit
-from coordination.stuck_cancellations import MAINTENANCE, SIGNAL_USE, stuck_cancellations
 from tests.operator.test_dashboard import PANELS, text_of
 from tests.operator.test_metrics import scrape, value
 from tests.waiting import wait_until

@@ -21,9 +21,9 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 
-from coordination import selectors
 from coordination.api import hot
 from coordination.models import Barrier, Mailbox, Message, Run, Task, TaskGroup, Timer
+from coordination.reads import selectors
 from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.budgets import budget_create, reservation_create

@@ -47,11 +47,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from coordination import selectors
 from coordination.api import hot
 from coordination.api.hot import db as hot_db
 from coordination.models import Event, Run
-from coordination.selectors import event_cursor
+from coordination.reads import selectors
+from coordination.reads.selectors import event_cursor
 from coordination.services.admissions import admission_request
 from coordination.services.barriers import barrier_create
 from coordination.services.claims import task_claim

@@ -23,7 +23,6 @@ from django.db import IntegrityError
 from django.utils import timezone
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api import waits
 from coordination.api.auth import Principal
@@ -43,7 +42,8 @@ from coordination.domain.states import MailboxMode, TaskState
 from coordination.models import Mailbox, Task
 from coordination.plumbing import tracing
 from coordination.plumbing.tracing import NO_TRACE, TraceContext
-from coordination.selectors import RunRef, Visibility
+from coordination.reads import selectors
+from coordination.reads.selectors import RunRef, Visibility
 from coordination.services import dispatch, sql
 from coordination.services import tasks as task_services
 from coordination.services.claims import batches, operations

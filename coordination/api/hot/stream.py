@@ -17,13 +17,13 @@ not find, or no pooled connection for the head, leaves the request, counted alre
 view (its ``404``; its read).
 """
 
-from coordination import selectors
 from coordination.api import waits
 from coordination.api.hot import db
 from coordination.api.hot.endpoints import Call, Endpoint
 from coordination.api.sse import event_stream_response, releasing
 from coordination.api.views import stream
 from coordination.domain import exceptions
+from coordination.reads import selectors
 
 
 class EventStream(Endpoint):

@@ -24,7 +24,6 @@ from django.utils import timezone
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api import waits
 from coordination.api.hot import db
@@ -36,6 +35,7 @@ from coordination.api.views.base import shared_response
 from coordination.domain import exceptions
 from coordination.domain.states import TimerState
 from coordination.models import Barrier, Event, Task, Timer
+from coordination.reads import selectors
 from coordination.services import sql
 
 _renderer = JSONRenderer()

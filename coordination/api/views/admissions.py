@@ -3,13 +3,13 @@
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import admissions as a
 from coordination.api import serializers as s
 from coordination.api.longpoll import in_request, long_poll
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain.states import AdmissionState, Permission
 from coordination.models import AdmissionConfig
+from coordination.reads import selectors
 from coordination.services import admissions as admission_services
 
 

@@ -12,7 +12,7 @@ from coordination.api.bodies import plain_body
 from coordination.api.serializers import ErrorOut
 from coordination.plumbing import metrics
 from coordination.plumbing.tracing import TraceContext, request_trace
-from coordination.selectors import Visibility
+from coordination.reads.selectors import Visibility
 
 ERRORS = {
     status: OpenApiResponse(ErrorOut, description=description)

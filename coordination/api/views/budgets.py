@@ -3,11 +3,11 @@
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import limit_shapes as ls
 from coordination.api.views.base import ApiView, with_errors
 from coordination.domain import exceptions
 from coordination.domain.states import Permission
+from coordination.reads import selectors
 from coordination.services import budgets as budget_services
 
 

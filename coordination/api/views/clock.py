@@ -4,14 +4,14 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import Answer, Watched, long_poll
 from coordination.api.presenters import present_barrier, present_timer
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain import exceptions
 from coordination.domain.states import BarrierState, Permission, TimerState
-from coordination.selectors import Visibility
+from coordination.reads import selectors
+from coordination.reads.selectors import Visibility
 from coordination.services import barriers as barrier_services
 from coordination.services import timers as timer_services
 

@@ -3,14 +3,14 @@
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import Watched, long_poll
 from coordination.api.presenters import present_event
 from coordination.api.views.base import AsyncApiView, with_errors
 from coordination.domain.states import Permission
 from coordination.plumbing.notify import ANY_TOPIC
-from coordination.selectors import Visibility
+from coordination.reads import selectors
+from coordination.reads.selectors import Visibility
 
 
 class EventListView(AsyncApiView):

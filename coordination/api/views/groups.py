@@ -3,14 +3,14 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import Answer, Watched, long_poll
 from coordination.api.presenters import present_decision, present_group, present_task
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain.states import GroupState, Permission, Verdict
 from coordination.plumbing import tracing
-from coordination.selectors import Visibility
+from coordination.reads import selectors
+from coordination.reads.selectors import Visibility
 from coordination.services import groups as group_services
 
 

@@ -3,7 +3,6 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import in_request, long_poll
 from coordination.api.presenters import present_delivery, present_message
@@ -11,6 +10,7 @@ from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain import exceptions
 from coordination.domain.states import MailboxMode, Permission
 from coordination.plumbing import tracing
+from coordination.reads import selectors
 from coordination.services import messages as message_services
 from coordination.services.mailboxes import mailbox_get
 

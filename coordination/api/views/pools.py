@@ -8,7 +8,6 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.longpoll import db, in_request, long_poll
 from coordination.api.presenters import iso
@@ -17,6 +16,7 @@ from coordination.domain import exceptions
 from coordination.domain.states import Permission, PoolLeaseState
 from coordination.models import Pool, PoolLease
 from coordination.plumbing import tracing
+from coordination.reads import selectors
 from coordination.services import pools as pool_services
 
 # Shapes ------------------------------------------------------------------------------------

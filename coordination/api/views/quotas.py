@@ -5,7 +5,6 @@ import asyncio
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import limit_shapes as ls
 from coordination.api import serializers as s
 from coordination.api.longpoll import RECHECK_S, db, in_request
@@ -14,6 +13,7 @@ from coordination.domain import exceptions
 from coordination.domain.states import Permission
 from coordination.plumbing import tracing
 from coordination.plumbing.notify import hub
+from coordination.reads import selectors
 from coordination.services import quotas as quota_services
 
 # On SQLite (no NOTIFY) a waiting take re-checks its run at least this often.

@@ -3,7 +3,6 @@
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
 
-from coordination import selectors
 from coordination.api.longpoll import in_request, park
 from coordination.api.negotiation import FirstRenderer
 from coordination.api.presenters import present_event
@@ -11,6 +10,7 @@ from coordination.api.serializers import EVENT_CURSOR, EventCursorField
 from coordination.api.sse import BATCH, event_stream_response, feed_frames, releasing
 from coordination.api.views.base import ERRORS, AsyncApiView
 from coordination.domain.states import Permission
+from coordination.reads import selectors
 
 STREAM_DESCRIPTION = """\
 Server-Sent Events, one frame per event, oldest first:

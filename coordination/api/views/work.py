@@ -3,7 +3,6 @@
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.response import Response
 
-from coordination import selectors
 from coordination.api import serializers as s
 from coordination.api.bodies import task_spec
 from coordination.api.longpoll import Answer, Watched, claim_long_poll, in_request, long_poll
@@ -20,7 +19,8 @@ from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain import exceptions
 from coordination.domain.states import TASK_TERMINAL, MailboxMode, Permission
 from coordination.plumbing import tracing
-from coordination.selectors import Visibility
+from coordination.reads import selectors
+from coordination.reads.selectors import Visibility
 from coordination.services import claims as claim_services
 from coordination.services import tasks as task_services
 from coordination.services.mailboxes import mailbox_ensure, mailbox_get

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 
 from coordination.domain.states import TaskState
 from coordination.models import Task
-from coordination.project_scope import ProjectScope, of_projects
+from coordination.reads.project_scope import ProjectScope, of_projects
 
 MAINTENANCE = "maintenance"
 SIGNAL_USE = "signal use"
