@@ -1,10 +1,12 @@
-"""The module graph of the project's own packages has no circle (issue 40).
+"""The module graph of the project's own packages has no circle, and every module has its room (issue 40).
 
 import-linter's contracts (``pyproject.toml``, checked by ``lint-imports``) say which room
 may import which; this test says what no contract can across rooms: no module reaches itself
 again through its imports, whether made at the top of a module, inside a function or under
 ``TYPE_CHECKING``. It reads files only, through ``grimp`` (import-linter's graph library).
 """
+
+from pathlib import Path
 
 import grimp
 import pytest
@@ -13,6 +15,7 @@ import pytest
 pytestmark = pytest.mark.single_backend
 
 PACKAGES = ("coordination", "workers", "runstate", "runstate_project")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def circles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -98,3 +101,10 @@ def test_the_search_finds_circles_of_every_length():
         graph.add_import(importer=importer, imported=imported, line_number=1, line_contents=f"import {imported}")
     assert sorted(circles(graph)) == [["a.one", "a.two"], ["b.one", "b.three", "b.two"], ["c.self"]]
     assert "a.one -> a.two (line 1)" in describe(graph, ["a.one", "a.two"])
+
+
+def test_the_top_of_coordination_holds_only_its_rooms():
+    """Beside its packages, ``coordination/`` keeps only what Django looks for there (docs/internals.md, the map)."""
+    django_looks_for = {"__init__.py", "apps.py"}
+    loose = {path.name for path in (ROOT / "coordination").glob("*.py")}
+    assert loose == django_looks_for, f"move these into a room: {sorted(loose - django_looks_for)}"
