@@ -21,3 +21,13 @@ def test_ensure_restores_lost_or_changed_rows_and_is_idempotent():
     leases = PeriodicTask.objects.get(name="runstate: expired leases")
     assert leases.enabled and leases.interval.every == 1
     assert PeriodicTask.objects.filter(name="runstate: fire due timers", task="runstate.sweep_timers").exists()
+
+
+def test_every_scheduled_task_is_one_a_worker_knows():
+    """Beat sends the sweeps by name: each is a task the modules a worker imports declare (tasks, dispatch)."""
+    from runstate_project.celery import app
+
+    app.loader.import_default_modules()  # what a worker imports at start (autodiscovery), after Django's apps
+    scheduled = {task for _, task, *_ in PERIODIC_SWEEPS}
+    assert {"runstate.rewake_unclaimed_work", "runstate.dispatch_upcoming_timers"} <= scheduled
+    assert scheduled - set(app.tasks) == set()
