@@ -194,7 +194,9 @@ def test_no_code_keeps_state_on_a_server_session():
                     found.append(f"{name}: {what}")
     assert not found, found
     # The patterns find what they look for (the hub's own LISTEN is one).
-    assert SESSION_STATE["a LISTEN outside the hub"].search((ROOT / "coordination" / "notify.py").read_text())
+    assert SESSION_STATE["a LISTEN outside the hub"].search(
+        (ROOT / "coordination" / "plumbing" / "notify.py").read_text()
+    )
     assert SESSION_STATE["a session setting"].search('cursor.execute("SET statement_timeout = 5")')
     assert not SESSION_STATE["a session setting"].search('cursor.execute("SET LOCAL statement_timeout = 5")')
     assert SESSION_STATE["a session-level advisory lock"].search("SELECT pg_advisory_lock(1)")
