@@ -9,7 +9,7 @@ import statistics
 import time
 import uuid
 
-from bench.throughput import setup_django
+from bench.harness.env import setup_django
 
 
 def build(children: int, tasks_per_child: int):

@@ -8,7 +8,7 @@ deciding commit to each answer; target p99 under 100 ms). Run: ``.venv/bin/pytho
 
 ``--json PATH`` writes the figures: ``verdict_p99_ms_service``, ``verdict_p99_ms_http``,
 ``finalized_count`` (``group.finalized`` events per verdict group: 1 is right; see
-``verdict_figures``), ``group_wait_p99_ms`` and ``barrier_wait_p99_ms``, and
+``json_figures``), ``group_wait_p99_ms`` and ``barrier_wait_p99_ms``, and
 ``group_wait_server_cpu_ms_per_answer`` / ``barrier_wait_server_cpu_ms_per_answer`` (the two
 servers' CPU from just before the decision to the last answer, per released wait: the figure
 another process's load moves least) and ``group_wait_park_cpu_ms_per_wait`` /
@@ -29,7 +29,11 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.throughput import UvicornServer, percentile, setup_django
+from bench.harness.env import setup_django
+from bench.harness.meters import process_tree_seconds, wait_idle
+from bench.harness.report import write_json
+from bench.harness.servers import UvicornServer
+from bench.harness.threads import percentile
 
 PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 
@@ -171,33 +175,6 @@ async def _get_once(host: str, port: int, path: str, token: str) -> tuple[int, b
         writer.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    """Return the CPU time a process has used (user + system), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_idle(pids: list[int], timeout_s: float = 20.0) -> float:
-    """Return once the processes used under 50 ms of CPU each in a second, twice in a row (at most ``timeout_s``).
-
-    Return the CPU seconds they had used (together) when they went quiet.
-    """
-    deadline = time.monotonic() + timeout_s
-    quiet = 0
-    before = [cpu_seconds(pid) for pid in pids]
-    went_quiet = sum(before)
-    while quiet < 2 and time.monotonic() < deadline:
-        time.sleep(1)
-        after = [cpu_seconds(pid) for pid in pids]
-        if all(b - a < 0.05 for a, b in zip(before, after, strict=True)):
-            went_quiet = sum(before) if quiet == 0 else went_quiet
-            quiet += 1
-        else:
-            quiet = 0
-        before = after
-    return went_quiet
-
-
 async def _waiters(
     servers: list[UvicornServer], token: str, path: str, count: int, decided, decide, profile_to=None
 ) -> tuple[list[float], list[int], float, float]:
@@ -231,7 +208,7 @@ async def _waiters(
         for _ in range(3):
             await _get_once(host, int(port), path.replace("timeoutMs=30000", "timeoutMs=0"), token)
             await asyncio.sleep(0.2)
-    cpu_start = sum(cpu_seconds(pid) for pid in pids)
+    cpu_start = sum(process_tree_seconds(pid) for pid in pids)
     tasks = [asyncio.create_task(wait_one(i)) for i in range(count)]
     # Let every waiter connect and park: the servers go idle once each has read once.
     await asyncio.sleep(2)
@@ -249,10 +226,10 @@ async def _waiters(
     early = sum(task.done() for task in tasks)
     if early:
         print(f"  {early} waits were answered before the decision")
-    cpu_before = sum(cpu_seconds(pid) for pid in pids)
+    cpu_before = sum(process_tree_seconds(pid) for pid in pids)
     decided_at = await asyncio.get_running_loop().run_in_executor(None, decide)
     await asyncio.gather(*tasks)
-    cpu = sum(cpu_seconds(pid) for pid in pids) - cpu_before
+    cpu = sum(process_tree_seconds(pid) for pid in pids) - cpu_before
     for profiler in profilers:
         await asyncio.get_running_loop().run_in_executor(None, profiler.wait)
     return [t - decided_at for t in done_at], statuses, parking_cpu, cpu
@@ -372,34 +349,40 @@ def main() -> None:
     parser.add_argument("--profile", metavar="PREFIX", help="py-spy the servers around each release (PREFIX-*.raw)")
     args = parser.parse_args()
     setup_django()
-    figures: dict = {}
+    verdicts: dict = {}
+    waits: dict[str, tuple[float, float, float]] = {}
     keys = KeyRing()
     if not args.no_verdicts:
-        figures = verdict_figures(service_verdicts(args.verdicts, args.threshold))
+        verdicts = service_verdicts(args.verdicts, args.threshold)
         with UvicornServer() as server:
-            figures = verdict_figures(figures | http_verdicts(server, keys, args.verdicts, args.threshold))
+            verdicts |= http_verdicts(server, keys, args.verdicts, args.threshold)
     if not args.no_waiters:
         first, second = waiter_servers()
         with first, second:
-            servers = [first, second]
             for what, measure in (("group", http_waiters), ("barrier", http_barrier_waiters)):
-                p99, cpu_per_wait, cpu_per_answer = measure(servers, keys, args.waiters, args.profile)
-                figures[f"{what}_wait_p99_ms"] = round(p99, 1)
-                figures[f"{what}_wait_park_cpu_ms_per_wait"] = round(cpu_per_wait, 3)
-                figures[f"{what}_wait_server_cpu_ms_per_answer"] = round(cpu_per_answer, 3)
+                waits[what] = measure([first, second], keys, args.waiters, args.profile)
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(args.json, json_figures(verdicts, waits))
         print(f"figures written to {args.json}")
 
 
-def verdict_figures(figures: dict) -> dict:
-    """Add ``finalized_count``: how many ``group.finalized`` events each verdict group has (1 is right).
+def json_figures(verdicts: dict, waits: dict[str, tuple[float, float, float]]) -> dict:
+    """Return what ``--json`` writes: the verdict figures, then per kind of wait its p99 and CPU figures.
 
-    When the groups measured so far disagree, it is the count furthest from 1, so a double or
-    a missing finalize anywhere shows.
+    ``finalized_count`` is how many ``group.finalized`` events each verdict group has (1 is
+    right); when the groups disagree, the count furthest from 1, so a double or a missing
+    finalize anywhere shows. ``waits`` maps ``group``/``barrier`` to (p99 ms, park CPU ms per
+    wait, server CPU ms per answer).
     """
-    counts = [figures[key] for key in ("finalized_service", "finalized_http") if key in figures]
-    return figures | {"finalized_count": max(counts, key=lambda count: abs(count - 1))}
+    figures = dict(verdicts)
+    counts = [verdicts[key] for key in ("finalized_service", "finalized_http") if key in verdicts]
+    if counts:
+        figures["finalized_count"] = max(counts, key=lambda count: abs(count - 1))
+    for what, (p99, cpu_per_wait, cpu_per_answer) in waits.items():
+        figures[f"{what}_wait_p99_ms"] = round(p99, 1)
+        figures[f"{what}_wait_park_cpu_ms_per_wait"] = round(cpu_per_wait, 3)
+        figures[f"{what}_wait_server_cpu_ms_per_answer"] = round(cpu_per_answer, 3)
+    return figures
 
 
 if __name__ == "__main__":

@@ -23,23 +23,16 @@ Run: ``.venv/bin/python -m bench.limits`` (PostgreSQL at ``DATABASE_URL``, defau
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 
-from bench.throughput import (
-    RECORD_PATH,
-    UvicornServer,
-    _checked,
-    find_pgbench,
-    git_revision,
-    http_fixture,
-    pgbench_init,
-    pgbench_run,
-    setup_django,
-)
+from bench.harness.env import RECORD_PATH, git_revision, setup_django
+from bench.harness.fixtures import http_fixture
+from bench.harness.pgbench import find_pgbench, pgbench_init, pgbench_run
+from bench.harness.report import write_json
+from bench.harness.servers import UvicornServer, checked
 
 POOL = "bench-gpu"
 QUOTA = "bench-provider"
@@ -97,8 +90,8 @@ def run_pool(server: UvicornServer, contenders: int, capacity: int, seconds: flo
     project, key = http_fixture("limits-pool")
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
-        _checked(client.put(f"/v1/pools/{POOL}", json={"capacity": capacity}))
-        run_id = _checked(client.post("/v1/runs", json={"name": "bench pool"}))["id"]
+        checked(client.put(f"/v1/pools/{POOL}", json={"capacity": capacity}))
+        run_id = checked(client.post("/v1/runs", json={"name": "bench pool"}))["id"]
 
     async def one_round(client) -> str | None:
         body = {"runId": run_id, "units": 1, "waitMs": 30_000}
@@ -140,8 +133,8 @@ def run_quota(server: UvicornServer, takers: int, seconds: float) -> Scenario:
     _, key = http_fixture("limits-quota")
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
-        _checked(client.put(f"/v1/quotas/{QUOTA}", json={"limit": 1_000_000_000, "periodMs": 1000}))
-        run_id = _checked(client.post("/v1/runs", json={"name": "bench quota"}))["id"]
+        checked(client.put(f"/v1/quotas/{QUOTA}", json={"limit": 1_000_000_000, "periodMs": 1000}))
+        run_id = checked(client.post("/v1/runs", json={"name": "bench quota"}))["id"]
 
     async def one_round(client) -> str | None:
         taken = await client.post(f"/v1/quotas/{QUOTA}/take", json={"runId": run_id, "amount": 1})
@@ -213,21 +206,26 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"LEDGER VIOLATION: {ledger}", file=sys.stderr)
     if args.json:
-        figures = {
-            "pool_pairs_per_s": pool.per_s,
-            "quota_takes_per_s": quota.per_s,
-            "pgbench_tps_pool": pg_pool.tps,
-            "pgbench_tps_quota": pg_quota.tps,
-            "pool_ratio": pool_ratio,
-            "quota_ratio": quota_ratio,
-            "pool_max_in_use": ledger["max_in_use"],
-            "pool_capacity": args.capacity,
-        }
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=2)
+        write_json(args.json, json_figures(pool.per_s, quota.per_s, pg_pool.tps, pg_quota.tps, ledger))
     if args.record:
         record(lines)
     return 0 if ok else 1
+
+
+def json_figures(
+    pool_per_s: float, quota_per_s: float, pgbench_pool: float, pgbench_quota: float, ledger: dict
+) -> dict:
+    """Return what ``--json`` writes: each rate beside ``pgbench -N`` with as many clients, and the pool's ledger."""
+    return {
+        "pool_pairs_per_s": pool_per_s,
+        "quota_takes_per_s": quota_per_s,
+        "pgbench_tps_pool": pgbench_pool,
+        "pgbench_tps_quota": pgbench_quota,
+        "pool_ratio": pool_per_s / pgbench_pool,
+        "quota_ratio": quota_per_s / pgbench_quota,
+        "pool_max_in_use": ledger["max_in_use"],
+        "pool_capacity": ledger["capacity"],
+    }
 
 
 if __name__ == "__main__":

@@ -20,13 +20,15 @@ Run: ``.venv/bin/python -m bench.mcp`` (PostgreSQL at ``DATABASE_URL``, default 
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 
-from bench.throughput import RECORD_PATH, ROOT, UvicornServer, git_revision, http_fixture, setup_django
+from bench.harness.env import RECORD_PATH, ROOT, git_revision, setup_django
+from bench.harness.fixtures import http_fixture
+from bench.harness.report import write_json
+from bench.harness.servers import UvicornServer
 
 MAILBOX = "bench-mcp"
 
@@ -98,13 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sdk_p50, mcp_p50 = statistics.median(sdk) * 1000, statistics.median(mcp) * 1000
     overhead = (mcp_p50 - sdk_p50) / 2
-    figures = {
-        "mcp_call_overhead_p50_ms": round(overhead, 3),
-        "mcp_tasks_per_s": round(args.tasks / mcp_wall, 1),
-        "sdk_tasks_per_s": round(args.tasks / sdk_wall, 1),
-        "mcp_pair_p50_ms": round(mcp_p50, 3),
-        "sdk_pair_p50_ms": round(sdk_p50, 3),
-    }
+    figures = json_figures(args.tasks, mcp_wall, sdk_wall, mcp_p50, sdk_p50)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
         f"### MCP per-call overhead (`bench/mcp.py`), {when}, revision {git_revision()}",
@@ -120,12 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n".join(lines))
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=2)
+        write_json(args.json, figures)
     if args.record:
         with RECORD_PATH.open("a") as out:
             out.write("\n" + "\n".join(lines) + "\n")
     return 0
+
+
+def json_figures(tasks: int, mcp_wall: float, sdk_wall: float, mcp_p50: float, sdk_p50: float) -> dict:
+    """Return what ``--json`` writes, from the tasks, each path's seconds and each path's p50 pair (ms)."""
+    return {
+        "mcp_call_overhead_p50_ms": round((mcp_p50 - sdk_p50) / 2, 3),
+        "mcp_tasks_per_s": round(tasks / mcp_wall, 1),
+        "sdk_tasks_per_s": round(tasks / sdk_wall, 1),
+        "mcp_pair_p50_ms": round(mcp_p50, 3),
+        "sdk_pair_p50_ms": round(sdk_p50, 3),
+    }
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""pgqueuer as a same-run peer of bench/throughput.py: drain N no-op jobs enqueued beforehand.
+"""pgqueuer as a same-run peer of bench.throughput: drain N no-op jobs enqueued beforehand.
 
 pgqueuer (https://github.com/janbjorge/pgqueuer) is a job queue on PostgreSQL alone, the
 closest thing to runstate's task table that exists as a library. The peer measures how fast
@@ -16,7 +16,7 @@ its consumers empty a queue, on the same server in the same run, through its pub
 Verification: the entrypoint ran N times on N distinct jobs, the queue table is empty, and
 the log holds N ``successful`` entries for N distinct jobs.
 
-The measurement helpers (quiet machine, CPU) stay in bench/throughput.py, which drives this
+The measurement helpers (quiet machine, CPU) are in bench/harness/, and bench/throughput/peer.py drives this
 module step by step; here is only what talks to pgqueuer. pgqueuer is in the development
 lock (requirements-dev.txt), not in the runtime lock (requirements.txt).
 """
@@ -70,7 +70,7 @@ class DrainResult:
     verification: dict[str, Any]
     first_job_s: float = 0.0  # from the start of the dequeuers to the first job run (timed)
     shutdown_s: float = 0.0  # from the last job logged until every dequeuer returned (not timed)
-    cpu: Any = None  # what the drain cost, when the caller measured it (bench.throughput.CpuMeter)
+    cpu: Any = None  # what the drain cost, when the caller measured it (bench.harness.meters.CpuMeter)
 
     @property
     def rate(self) -> float:

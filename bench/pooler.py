@@ -1,4 +1,4 @@
-"""PgBouncer in transaction mode in front of the benchmark's PostgreSQL (``bench/throughput.py --pgbouncer``).
+"""PgBouncer in transaction mode in front of the benchmark's PostgreSQL (``python -m bench.throughput --pgbouncer``).
 
 The PgBouncer is the tests' (``devservers/pgbouncer.py``: Debian's ``pgbouncer``, the
 ``pgbouncer.ini`` of docs/deploy.md, "Behind PgBouncer", in a temporary directory on a free
@@ -30,7 +30,7 @@ class BenchPgBouncer:
     """PgBouncer (transaction mode, ``pool_size`` server connections) before the server of ``direct_url``."""
 
     def __init__(self, direct_url: str, pool_size: int = 10) -> None:
-        from bench.throughput import db_params
+        from bench.harness.env import db_params
         from devservers.pgbouncer import PGBOUNCER, PgBouncer
 
         params = db_params(direct_url)

@@ -24,12 +24,12 @@ default the ``runstate_bench`` database).
 """
 
 import argparse
-import json
 import sys
 import time
 from datetime import UTC, date, datetime, timedelta
 
-from bench.throughput import RECORD_PATH, git_revision, setup_django
+from bench.harness.env import RECORD_PATH, git_revision, setup_django
+from bench.harness.report import write_json
 
 # Far enough back that no other event of the benchmark database falls on these days.
 DAYS_BACK = 400
@@ -154,14 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     with connection.cursor() as cursor:  # the emptied day goes too (untimed)
         cursor.execute(f"DROP TABLE {partition_name(second)}")
 
-    figures = {
-        "retention_drop_s": round(drop_s, 4),
-        "retention_delete_s": round(delete_s, 3),
-        "retention_vacuum_s": round(vacuum_s, 3),
-        "events_per_day": args.events,
-        "partition_mb": round(size_mb, 1),
-        "bytes_per_event": round(size_mb * 2**20 / args.events),
-    }
+    figures = json_figures(drop_s, delete_s, vacuum_s, args.events, size_mb)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     verdict = "met" if drop_s < TARGET_DROP_S else "NOT met"
     lines = [
@@ -182,12 +175,23 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n".join(lines))
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=2)
+        write_json(args.json, figures)
     if args.record:
         with RECORD_PATH.open("a") as out:
             out.write("\n" + "\n".join(lines) + "\n")
     return 0 if drop_s < TARGET_DROP_S else 1
+
+
+def json_figures(drop_s: float, delete_s: float, vacuum_s: float, events: int, size_mb: float) -> dict:
+    """Return what ``--json`` writes: each prune's seconds, and the day's size."""
+    return {
+        "retention_drop_s": round(drop_s, 4),
+        "retention_delete_s": round(delete_s, 3),
+        "retention_vacuum_s": round(vacuum_s, 3),
+        "events_per_day": events,
+        "partition_mb": round(size_mb, 1),
+        "bytes_per_event": round(size_mb * 2**20 / events),
+    }
 
 
 if __name__ == "__main__":

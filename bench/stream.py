@@ -25,7 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.throughput import UvicornServer, percentile, setup_django
+from bench.harness.env import setup_django
+from bench.harness.report import write_json
+from bench.harness.servers import UvicornServer
+from bench.harness.threads import percentile
 
 EVENT_TYPE = "bench.tick"
 
@@ -219,9 +222,13 @@ def main() -> None:
         f"{len(short)} readers short of the last event"
     )
     if args.json:
-        figures = {"sse_delivery_p99_ms": p99, "sse_gaps": gaps, "sse_duplicates": duplicates}
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(args.json, json_figures(p99, gaps, duplicates))
         print(f"figures written to {args.json}")
+
+
+def json_figures(p99_ms: float, gaps: int, duplicates: int) -> dict:
+    """Return what ``--json`` writes: the delivery delay's p99 (ms), and the events missed and repeated."""
+    return {"sse_delivery_p99_ms": p99_ms, "sse_gaps": gaps, "sse_duplicates": duplicates}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Run: ``.venv/bin/python -m bench.timers [--timers N] [--runs R] [--lead S] [--co
 """
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,9 @@ import time
 import uuid
 from datetime import timedelta
 
-from bench.throughput import ROOT, bench_environment, percentile, setup_django
+from bench.harness.env import ROOT, bench_environment, setup_django
+from bench.harness.report import write_json
+from bench.harness.threads import percentile
 
 BROKER_URL = os.environ.get("RUNSTATE_BENCH_BROKER_URL", "redis://127.0.0.1:6379/11")
 
@@ -81,15 +82,7 @@ def main() -> None:
     p99s = [round(r["p99_ms"], 1) for r in runs]
     print(f"p99 lateness per run (ms): {p99s}; worst {max(p99s):.0f} ms (target < 250 ms in every run)")
     if args.json:
-        figures = {
-            "timer_lateness_p99_ms_runs": p99s,
-            "timer_lateness_p99_ms_max": max(p99s),
-            "timer_lateness_p50_ms_runs": [round(r["p50_ms"], 1) for r in runs],
-            "timer_lateness_max_ms_runs": [round(r["max_ms"], 1) for r in runs],
-            "timers_fired_runs": [r["fired"] for r in runs],
-        }
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=2)
+        write_json(args.json, json_figures(runs))
 
 
 def burst(args) -> dict:
@@ -133,6 +126,18 @@ def burst(args) -> dict:
         "p99_ms": percentile(late_ms, 0.99),
         "max_ms": max(late_ms, default=0),
         "fired": len(rows),
+    }
+
+
+def json_figures(runs: list[dict]) -> dict:
+    """Return what ``--json`` writes: each run's (``burst``'s) p50, p99 and worst lateness, and timers fired."""
+    p99s = [round(r["p99_ms"], 1) for r in runs]
+    return {
+        "timer_lateness_p99_ms_runs": p99s,
+        "timer_lateness_p99_ms_max": max(p99s),
+        "timer_lateness_p50_ms_runs": [round(r["p50_ms"], 1) for r in runs],
+        "timer_lateness_max_ms_runs": [round(r["max_ms"], 1) for r in runs],
+        "timers_fired_runs": [r["fired"] for r in runs],
     }
 
 

@@ -342,7 +342,7 @@ RUNSTATE_EVENT_RETENTION_DAYS = int(os.environ.get("RUNSTATE_EVENT_RETENTION_DAY
 RUNSTATE_EVENT_PARTITIONS_AHEAD_DAYS = int(os.environ.get("RUNSTATE_EVENT_PARTITIONS_AHEAD_DAYS", "3"))
 # Requests per API key per window ("<count>/<s|min|h|day>"; "off" disables): 429 RATE_LIMITED beyond.
 # A batch counts its items. The default is twice what one key drives through a two-process
-# API in bench/throughput.py's batched scenario (about 5,000 items/s), so a busy worker is
+# API in bench.throughput's batched scenario (about 5,000 items/s), so a busy worker is
 # never throttled by it (docs/operations.md).
 RUNSTATE_RATE_LIMIT = os.environ.get("RUNSTATE_RATE_LIMIT", "600000/min")
 # A bearer token for Prometheus: /v1/metrics answers it every project's series (a project's key

@@ -14,7 +14,7 @@ import pytest
 # No database: the graph is built from the source files (a second run proves nothing more).
 pytestmark = pytest.mark.single_backend
 
-PACKAGES = ("coordination", "workers", "runstate", "runstate_project")
+PACKAGES = ("coordination", "workers", "runstate", "runstate_project", "bench")
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,0 +1,7 @@
+"""``python -m bench.throughput``."""
+
+import sys
+
+from bench.throughput.cli import main
+
+sys.exit(main())
