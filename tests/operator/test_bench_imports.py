@@ -5,6 +5,10 @@ both need (PgBouncer in front of a server, free ports) lives in ``devservers/``.
 """
 
 import ast
+import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +45,30 @@ def test_the_check_sees_a_function_local_import(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def f():\n    from tests.clusters import PgBouncer\n    import tests.processes\n")
     assert imported_modules(planted) == [(2, "tests.clusters"), (3, "tests.processes")]
+
+
+def test_every_benchmark_module_imports():
+    """The split (issue 40) left no name behind: each module of bench/ imports on its own.
+
+    ``bench.celery.tasks`` (and ``__main__``, which imports it) set Django up and register a
+    Celery task in the importing process; the command-line test below runs them apart.
+    """
+    names = sorted(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for path in (ROOT / "bench").rglob("*.py")
+    )
+    importable = [name for name in names if not name.endswith("__main__") and name != "bench.celery.tasks"]
+    assert {"bench.harness.meters", "bench.throughput.cli", "bench.celery.figures"} <= set(importable)
+    for name in importable:
+        importlib.import_module(name)
+
+
+@pytest.mark.parametrize("benchmark", ["bench.throughput", "bench.celery"])
+def test_a_benchmark_package_runs_as_a_module(benchmark):
+    """``python -m bench.throughput`` and ``python -m bench.celery`` still parse their command lines."""
+    env = {**os.environ, "DATABASE_URL": "postgres://127.0.0.1:1/runstate_bench_never_used"}
+    done = subprocess.run(
+        [sys.executable, "-m", benchmark, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"python -m {benchmark}" in done.stdout
