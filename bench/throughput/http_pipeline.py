@@ -105,25 +105,12 @@ def run_http_scenario(
     pids = {"server_pid": server.process.pid, "pooler_pid": server.pooler.pid if server.pooler else None}
     clients = {"setup": open_client, "teardown": httpx.Client.close}
     with DatabaseMeter() as database:
-        submit_s, _, submit_cpu = run_threads(workers, submitter, **clients, **pids)
-        claim_s, results, claim_cpu = run_threads(workers, claimer, **clients, **pids)
+        submitted = run_threads(workers, submitter, **clients, **pids)
+        drained = run_threads(workers, claimer, **clients, **pids)
     pooler = stats_per_task(pooler_before, server.pooler.stats(), tasks) if server.pooler else None
     verification = verify_run(uuid.UUID(run_id), tasks)
     connection.close()
-    return ScenarioResult(
-        mode=f"http {mode}" + (" pgbouncer" if server.pooler else ""),
-        workers=workers,
-        tasks=tasks,
-        batch=claim_size,
-        submit_s=submit_s,
-        claim_complete_s=claim_s,
-        claim_latencies=[x for r in results for x in r[0]],
-        complete_latencies=[x for r in results for x in r[1]],
-        claim_calls=sum(len(r[0]) + r[3] for r in results),
-        empty_claim_calls=sum(r[3] for r in results),
-        verification=verification,
-        submit_cpu=submit_cpu,
-        claim_cpu=claim_cpu,
-        database=database.figures,
-        pooler=pooler,
+    mode_name = f"http {mode}" + (" pgbouncer" if server.pooler else "")
+    return ScenarioResult.from_phases(
+        mode_name, workers, tasks, claim_size, submitted, drained, verification, database.figures, pooler
     )

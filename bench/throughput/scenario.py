@@ -32,6 +32,43 @@ class ScenarioResult:
     # Through PgBouncer: its transactions, queries and client wait (us) per task (bench/pooler.py).
     pooler: dict[str, float] | None = None
 
+    @classmethod
+    def from_phases(
+        cls,
+        mode: str,
+        workers: int,
+        tasks: int,
+        batch: int,
+        submitted: tuple[float, list[Any], CpuMeter],
+        drained: tuple[float, list[Any], CpuMeter],
+        verification: dict[str, Any],
+        database: dict[str, float | None] | None,
+        pooler: dict[str, float] | None = None,
+    ) -> ScenarioResult:
+        """Build a scenario's result from ``run_threads``'s answers for its submit and its drain.
+
+        Each drain thread answers (claim latencies, complete latencies, tasks done, empty claims).
+        """
+        submit_s, _, submit_cpu = submitted
+        claim_s, results, claim_cpu = drained
+        return cls(
+            mode=mode,
+            workers=workers,
+            tasks=tasks,
+            batch=batch,
+            submit_s=submit_s,
+            claim_complete_s=claim_s,
+            claim_latencies=[x for r in results for x in r[0]],
+            complete_latencies=[x for r in results for x in r[1]],
+            claim_calls=sum(len(r[0]) + r[3] for r in results),
+            empty_claim_calls=sum(r[3] for r in results),
+            verification=verification,
+            submit_cpu=submit_cpu,
+            claim_cpu=claim_cpu,
+            database=database,
+            pooler=pooler,
+        )
+
     @property
     def submit_rate(self) -> float:
         return self.tasks / self.submit_s

@@ -168,23 +168,10 @@ def run_service_scenario(tasks: int, workers: int, mode: ServiceMode) -> Scenari
 
     connection.close()
     with DatabaseMeter(backends=False) as database:
-        submit_s, _, submit_cpu = run_threads(workers, submitter, setup=connect)
-        claim_s, results, claim_cpu = run_threads(workers, claimer, setup=connect)
+        submitted = run_threads(workers, submitter, setup=connect)
+        drained = run_threads(workers, claimer, setup=connect)
     verification = verify_run(service.run.id, tasks)
     connection.close()
-    return ScenarioResult(
-        mode=f"service {mode.name}",
-        workers=workers,
-        tasks=tasks,
-        batch=mode.claim_max,
-        submit_s=submit_s,
-        claim_complete_s=claim_s,
-        claim_latencies=[x for r in results for x in r[0]],
-        complete_latencies=[x for r in results for x in r[1]],
-        claim_calls=sum(len(r[0]) + r[3] for r in results),
-        empty_claim_calls=sum(r[3] for r in results),
-        verification=verification,
-        submit_cpu=submit_cpu,
-        claim_cpu=claim_cpu,
-        database=database.figures,
+    return ScenarioResult.from_phases(
+        f"service {mode.name}", workers, tasks, mode.claim_max, submitted, drained, verification, database.figures
     )

@@ -98,21 +98,19 @@ LIMITS = {
 
 
 def scenario(mode: str, seconds: float = 2.0) -> ScenarioResult:
-    return ScenarioResult(
-        mode=mode,
-        workers=4,
-        tasks=1000,
-        batch=10,
-        submit_s=seconds,
-        claim_complete_s=seconds,
-        claim_latencies=[0.001],
-        complete_latencies=[0.001],
-        claim_calls=100,
-        empty_claim_calls=4,
-        verification={"ok": True},
-        submit_cpu=CpuMeter(),
-        claim_cpu=CpuMeter(),
+    """A scenario of 1,000 tasks, as ``run_threads`` answers its submit and its drain (two threads)."""
+    drained = [([0.001] * 50, [0.001] * 500, 500, 1)] * 2  # claim and complete latencies, done, empty claims
+    return ScenarioResult.from_phases(
+        mode, 4, 1000, 10, (seconds, [0, 0], CpuMeter()), (seconds, drained, CpuMeter()), {"ok": True}, None
     )
+
+
+def test_a_scenario_adds_up_what_its_threads_answered():
+    result = scenario("service unbatched")
+
+    assert (result.claim_calls, result.empty_claim_calls) == (102, 2)  # 50 claims and an empty one each
+    assert (len(result.claim_latencies), len(result.complete_latencies)) == (100, 1000)
+    assert (result.submit_rate, result.claim_complete_rate, result.pipeline_rate) == (500.0, 500.0, 250.0)
 
 
 def a_whole_throughput_run() -> RunFigures:
