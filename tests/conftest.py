@@ -139,7 +139,7 @@ def _stop_listener_before_dropping_the_database(django_db_setup, django_db_block
     # An in-process event stream whose client let go without a disconnect (httpx's ASGI
     # transport sends none) leaves its loop's shared feed reading: it would retry, and log
     # every failure, until interpreter exit, long after the database is gone.
-    for loop, feed in list(sse._feeds.items()):
+    for loop, feed in sse.feeds():
         if not loop.is_closed():
             loop.call_soon_threadsafe(feed.task.cancel)
     if connection.vendor == "postgresql":

@@ -36,6 +36,8 @@ RECONNECT_MS = 1000
 logger = logging.getLogger(__name__)
 
 ReadAfter = Callable[[str], tuple[list[Event], str]]
+# A feed's read: the events of some projects after a position, oldest first, at most ``limit``.
+FeedRead = Callable[[tuple[int, int], int, list[uuid.UUID]], list[Event]]
 
 
 def frame(*, event_id: str | None, event_type: str, data: object) -> bytes:
@@ -217,6 +219,10 @@ class _Stream:
 class EventFeed:
     """The events of the projects streamed, read once per batch of notifications for every stream of a process.
 
+    ``read`` selects which events: every event (``selectors.event_feed``, the event streams')
+    or those naming a held claim (``selectors.held_event_feed``, the claim watches'); a
+    process has one feed per ``read``.
+
     It keeps the last ``feed_buffer()`` events: every event after ``start`` up to ``cursor``
     (both positions), in order. Events at or before a position the feed has read past are
     final (see ``selectors.event_list``), so a stream at a position the buffer covers takes
@@ -228,8 +234,9 @@ class EventFeed:
     client resumes with ``Last-Event-ID``, and other streams never wait for it.
     """
 
-    def __init__(self, project_id: uuid.UUID) -> None:
+    def __init__(self, project_id: uuid.UUID, read: FeedRead) -> None:
         self.first_project = project_id
+        self.read = read
         # The projects read, each from the position the feed had when its first stream came.
         self.projects: dict[uuid.UUID, Position] = {project_id: (0, 0)}
         self.entries: deque[_Entry] = deque()
@@ -286,7 +293,7 @@ class EventFeed:
                 await asyncio.sleep(pause)
             try:
                 while True:
-                    events = await shared_db(selectors.event_feed, self.cursor, limit, list(self.projects))
+                    events = await shared_db(self.read, self.cursor, limit, list(self.projects))
                     self.reads += 1
                     if events:
                         self._append(events)
@@ -350,19 +357,25 @@ def pieces(frames: list[bytes], size: int = CHUNK_BYTES) -> Iterator[bytes]:
         yield b"".join(piece)
 
 
-_feeds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventFeed] = weakref.WeakKeyDictionary()
+# The feeds of each event loop, by their read.
+_feeds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[FeedRead, EventFeed]] = weakref.WeakKeyDictionary()
 
 
-def event_feed() -> EventFeed | None:
-    """Return the running loop's feed, if a stream is open."""
-    return _feeds.get(asyncio.get_running_loop())
+def event_feed(read: FeedRead = selectors.event_feed) -> EventFeed | None:
+    """Return the running loop's feed of ``read`` (the event streams' by default), if a stream is open."""
+    return _feeds.get(asyncio.get_running_loop(), {}).get(read)
 
 
-def _feed_join(stream: _Stream, project_id: uuid.UUID) -> EventFeed:
-    loop = asyncio.get_running_loop()
-    feed = _feeds.get(loop)
+def feeds() -> list[tuple[asyncio.AbstractEventLoop, EventFeed]]:
+    """Return every feed open, with its loop (the tests stop them)."""
+    return [(loop, feed) for loop, by_read in list(_feeds.items()) for feed in list(by_read.values())]
+
+
+def _feed_join(stream: _Stream, project_id: uuid.UUID, read: FeedRead) -> EventFeed:
+    by_read = _feeds.setdefault(asyncio.get_running_loop(), {})
+    feed = by_read.get(read)
     if feed is None:
-        feed = _feeds[loop] = EventFeed(project_id)
+        feed = by_read[read] = EventFeed(project_id, read)
     feed.add_project(project_id)
     feed.streams.add(stream)
     return feed
@@ -370,8 +383,9 @@ def _feed_join(stream: _Stream, project_id: uuid.UUID) -> EventFeed:
 
 def _feed_leave(feed: EventFeed, stream: _Stream) -> None:
     feed.streams.discard(stream)
-    if not feed.streams and _feeds.get(asyncio.get_running_loop()) is feed:
-        del _feeds[asyncio.get_running_loop()]
+    by_read = _feeds.get(asyncio.get_running_loop(), {})
+    if not feed.streams and by_read.get(feed.read) is feed:
+        del by_read[feed.read]
         feed.task.cancel()
         hub.unsubscribe(feed.subscription)
 
@@ -383,8 +397,13 @@ async def feed_frames(
     catch_up: ReadAfter,
     matches: Callable[[Event], bool],
     present: Callable[[Event], tuple[str | None, str, object]],
+    read: FeedRead = selectors.event_feed,
+    preamble: bytes = b"",
 ) -> AsyncIterator[bytes]:
     """Yield the frames of the events after ``after`` that ``matches`` accepts, forever, from the shared feed.
+
+    ``read`` names the feed (see ``EventFeed``); ``matches`` must accept only events it reads.
+    ``preamble`` (frames) is sent first, after the ``retry`` line.
 
     ``catch_up(cursor)`` reads this stream's next events from the database (as
     ``event_frames`` reads) while the feed does not cover its position; ``present`` must be
@@ -392,10 +411,10 @@ async def feed_frames(
     per event for every stream. Each wake-up sends what is new in one chunk.
     """
     stream = _Stream(selectors.event_position(after))
-    feed = _feed_join(stream, project_id)
+    feed = _feed_join(stream, project_id, read)
     try:
         with stream.offering():
-            yield f"retry: {RECONNECT_MS}\n\n".encode()
+            yield f"retry: {RECONNECT_MS}\n\n".encode() + preamble
         await feed.started.wait()
         keepalive = Keepalive()
         while True:

@@ -16,6 +16,7 @@ from coordination.api.views import (
     quotas,
     runs,
     stream,
+    watch,
     work,
 )
 
@@ -47,6 +48,7 @@ urlpatterns = [
     path("claims/<str:claim_id>/complete", work.ClaimCompleteView.as_view(), name="claim-complete"),
     path("claims/<str:claim_id>/fail", work.ClaimFailView.as_view(), name="claim-fail"),
     path("claims/<str:claim_id>/release", work.ClaimReleaseView.as_view(), name="claim-release"),
+    path("claims/watch", watch.ClaimWatchView.as_view(), name="claims-watch"),
     path("mailboxes/<str:name>/messages", messages.MessageSendView.as_view(), name="mailbox-messages"),
     path("mailboxes/<str:name>/deliveries", messages.DeliveryCollectionView.as_view(), name="mailbox-deliveries"),
     path("messages/<str:message_id>", messages.MessageDetailView.as_view(), name="message-detail"),

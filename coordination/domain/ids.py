@@ -37,6 +37,20 @@ def parse_fence_id(prefix: str, value: object) -> tuple[uuid.UUID, int]:
     return uuid.UUID(hex=object_hex), int(attempt)
 
 
+# A claim's id: ``c_<task>_<attempt>``, the fence of every operation of that attempt.
+CLAIM_PREFIX = "c"
+
+
+def claim_id_for(task_id: uuid.UUID, attempt: int) -> str:
+    """Return the claim id of ``attempt`` on ``task_id``."""
+    return fence_id(CLAIM_PREFIX, task_id, attempt)
+
+
+def claim_id_sql(task_id_sql: str, attempt_sql: str) -> str:
+    """Return ``claim_id_for`` as a PostgreSQL expression over a task id and an attempt expression."""
+    return fence_id_sql(CLAIM_PREFIX, task_id_sql, attempt_sql)
+
+
 def path_ids(path: str) -> list[uuid.UUID]:
     """Return the run ids of a run path (``/<root>/.../<run>/``), root first."""
     return [uuid.UUID(part) for part in path.split("/") if part]

@@ -1,6 +1,7 @@
 """The append-only event log."""
 
 from django.db import models
+from django.db.models import Q
 from django.utils import timezone
 
 
@@ -28,7 +29,13 @@ class Event(models.Model):
 
     class Meta:
         ordering = ["txid", "id"]
-        indexes = [models.Index(fields=["project", "txid", "id"], name="event_project_cursor")]
+        indexes = [
+            models.Index(fields=["project", "txid", "id"], name="event_project_cursor"),
+            # The few events that stop a claim its worker did not end itself (``heldBy``, see
+            # ``services/task_transitions.held_event_data``): the claim watches' feed reads them
+            # alone, however many other events a drain writes.
+            models.Index(fields=["project", "txid", "id"], name="event_held_by", condition=Q(data__has_key="heldBy")),
+        ]
 
     def __str__(self) -> str:
         return f"{self.type} {self.subject_id}"

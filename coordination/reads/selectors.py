@@ -407,6 +407,31 @@ def event_feed(after: tuple[int, int], limit: int, project_ids: Iterable[uuid.UU
     return list(queryset.order_by("txid", "id")[:limit])
 
 
+# Claim watches: the events that stop a claim its worker did not end itself, which name the
+# worker (``heldBy``) and the claim (``claimId``). Both reads go through the partial index
+# ``event_held_by``: a drain's other events cost them nothing.
+
+
+def held_event_feed(after: tuple[int, int], limit: int, project_ids: Iterable[uuid.UUID]) -> list[Event]:
+    """Return ``event_feed``'s events that name a held claim (``heldBy``), for every claim watch of a process."""
+    txid, event_id = after
+    queryset = _below_event_horizon(Event.objects.filter(project_id__in=list(project_ids), data__has_key="heldBy"))
+    queryset = queryset.filter(Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id))
+    return list(queryset.order_by("txid", "id")[:limit])
+
+
+def held_event_list(visibility: Visibility, *, worker_id: str, after: str, limit: int) -> tuple[list[Event], str]:
+    """Return the events after the cursor that name a claim held by ``worker_id``, oldest first, and the next cursor."""
+    txid, event_id = _parse_event_cursor(after)
+    queryset = Event.objects.filter(project_id=visibility.project_id, data__has_key="heldBy")
+    queryset = _below_event_horizon(queryset.filter(Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id)))
+    queryset = queryset.filter(data__heldBy=worker_id)
+    if visibility.bound_path is not None:
+        queryset = queryset.filter(run_path__startswith=visibility.bound_path)
+    events = list(queryset.order_by("txid", "id")[:limit])
+    return events, event_page_cursor(events, after)
+
+
 def event_feed_head(project_id: uuid.UUID) -> tuple[int, int]:
     """Return the position after the last event of the project a reader may see now."""
     rows = list(event_head_query(project_id))

@@ -115,6 +115,7 @@ def subtree_rows_end(
     also_set: str = "",
     data_sql: str = END_EVENT_DATA_SQL,
     returning: str = "",
+    locked_columns: str = "",
 ) -> int:
     """Move the subtree's rows of ``model`` from ``states`` to ``final_state``, one event each: one statement.
 
@@ -123,8 +124,9 @@ def subtree_rows_end(
     by the same data-modifying CTE, so the cost in round trips does not grow with the
     subtree. ``also_set`` (more assignments) and ``data_sql`` may use the parameters ``now``,
     ``reason`` and ``cause``; ``data_sql`` sees the updated rows (``id``, ``project_id``,
-    ``run_id``, ``run_path`` and the column named in ``returning``). Every event is dated
-    ``end.now``. Return how many rows ended.
+    ``run_id``, ``run_path`` and the column named in ``returning``) and, with
+    ``locked_columns``, those columns of each row as it was before the update, as ``was``
+    (``was.state``). Every event is dated ``end.now``. Return how many rows ended.
     """
     table = model._meta.db_table
     states = list(states)
@@ -136,12 +138,19 @@ def subtree_rows_end(
     # the rows by primary key: as a join, the planner may hash the ids and scan the whole table.
     assignments = ", ".join(filter(None, ["state = %(final_state)s", also_set]))
     extra = f", t.{returning}" if returning else ""
+    locking = f"SELECT id{', ' + locked_columns if locked_columns else ''} FROM {table} " + (
+        f"WHERE run_path LIKE %(prefix)s AND state IN {state_sql} ORDER BY id FOR UPDATE"
+    )
+    # The rows as they were are kept by a materialized CTE, read once; the update still finds
+    # its rows by primary key through ARRAY(...).
+    was = f"was AS MATERIALIZED ({locking}), " if locked_columns else ""
+    ids = "SELECT id FROM was" if locked_columns else locking
     sql = (
-        f"WITH ended AS (UPDATE {table} AS t SET {assignments} "
-        f"WHERE t.id = ANY(ARRAY(SELECT id FROM {table} WHERE run_path LIKE %(prefix)s AND state IN {state_sql} "
-        "ORDER BY id FOR UPDATE)) "
+        f"WITH {was}ended AS (UPDATE {table} AS t SET {assignments} WHERE t.id = ANY(ARRAY({ids})) "
         f"RETURNING t.id, t.project_id, t.run_id, t.run_path{extra}) "
-        + event_insert_sql("ended", type_sql="%(event_type)s", data_sql=data_sql)
+        + event_insert_sql(
+            "ended JOIN was USING (id)" if locked_columns else "ended", type_sql="%(event_type)s", data_sql=data_sql
+        )
     )
     values = {
         "prefix": connection.ops.prep_for_like_query(end.path_prefix) + "%",

@@ -264,16 +264,23 @@ def _finalize_in_span(locked: LockedGroup, outcome: GroupOutcome, reason: str, n
 # order (the lock order among task rows), cancelled, and their events written by the same
 # data-modifying CTE (``subtree_rows_end`` does the same for a subtree).
 CANCEL_GROUP_MEMBERS_SQL = f"""
-WITH ended AS (
+WITH was AS MATERIALIZED (
+    SELECT id, {task_transitions.HELD_COLUMNS} FROM coordination_task
+    WHERE group_id = %(group_id)s AND state IN {task_transitions.UNFINISHED_SQL}
+    ORDER BY id FOR UPDATE
+), ended AS (
     UPDATE coordination_task AS t
     SET {task_transitions.CANCEL_SET_SQL}
-    WHERE t.id = ANY(ARRAY(
-        SELECT id FROM coordination_task
-        WHERE group_id = %(group_id)s AND state IN {task_transitions.UNFINISHED_SQL}
-        ORDER BY id FOR UPDATE))
+    WHERE t.id = ANY(ARRAY(SELECT id FROM was))
     RETURNING t.id, t.project_id, t.run_id, t.run_path
 )
-{event_insert_sql("ended", type_sql="'task.cancelled'", data_sql=END_EVENT_DATA_SQL)}
+{
+    event_insert_sql(
+        "ended JOIN was USING (id)",
+        type_sql="'task.cancelled'",
+        data_sql=f"{END_EVENT_DATA_SQL} || {task_transitions.held_event_data_sql('was')}",
+    )
+}
 """
 
 
@@ -288,7 +295,14 @@ def _cancel_unfinished_members(*, group_id: uuid.UUID, reason: str, now: datetim
     if not members:
         return
     task_transitions.cancel_many([t.id for t in members], now=now, reason=reason)
-    events_record_many([event_for(task, "task.cancelled", reason=reason, cause="group_finalized") for task in members])
+    events_record_many(
+        [
+            event_for(
+                task, "task.cancelled", reason=reason, cause="group_finalized", **task_transitions.held_event_data(task)
+            )
+            for task in members
+        ]
+    )
 
 
 # A group's decision and its ``group.finalized`` event, one statement (the careful path's

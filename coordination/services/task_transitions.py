@@ -16,9 +16,10 @@ from django.db import connection
 from django.db.models import F
 from django.db.models.functions import Coalesce
 
-from coordination.domain.states import TASK_UNFINISHED, TaskState
+from coordination.domain.ids import claim_id_for, claim_id_sql
+from coordination.domain.states import TASK_HELD, TASK_UNFINISHED, TaskState
 from coordination.models import Event, Task
-from coordination.services.cascade import SubtreeEnd, subtree_rows_end
+from coordination.services.cascade import END_EVENT_DATA_SQL, SubtreeEnd, subtree_rows_end
 from coordination.services.events import events_record_many
 from coordination.services.sql import in_list, literal
 
@@ -67,6 +68,36 @@ CANCEL_SET_SQL = (
 
 # The tasks an end of their run or group stops: queued or held.
 UNFINISHED_SQL = in_list(TASK_UNFINISHED)
+
+
+# The claim a change ended or asked to stop, named in its event --------------------------------
+#
+# A change a worker did not make itself (a task or run cancel, a group decided, a deadline, a
+# lease that ran out) names the claim it stops and the worker holding it, ``heldBy`` and
+# ``claimId`` in the event's data: ``GET /v1/claims/watch`` sends each worker the events that
+# name it (``api/views/watch.py``), and only those events carry ``heldBy`` (the event table
+# indexes them apart: ``event_held_by``).
+
+
+def held_event_data(task: Task) -> dict[str, str]:
+    """Return ``{"heldBy", "claimId"}`` for ``task`` as it was before the change, if a worker held it; else ``{}``."""
+    if task.state in TASK_HELD and task.worker_id:
+        return {"heldBy": task.worker_id, "claimId": claim_id_for(task.id, task.attempts)}
+    return {}
+
+
+def held_event_data_sql(was: str) -> str:
+    """Return ``held_event_data`` as a jsonb expression over ``was``, the task's row before the change."""
+    claim_id = claim_id_sql(f"{was}.id", f"{was}.attempts")
+    return (
+        f"CASE WHEN {was}.state IN {in_list(TASK_HELD)} AND {was}.worker_id <> '' "
+        f"THEN jsonb_build_object('heldBy', {was}.worker_id, 'claimId', {claim_id}) "
+        "ELSE '{}'::jsonb END"
+    )
+
+
+# The columns of a task row ``held_event_data_sql`` reads (a locking subquery keeps them).
+HELD_COLUMNS = "state, worker_id, attempts"
 
 
 # ORM: one function per transition, on a task the caller has locked -------------------------
@@ -196,17 +227,19 @@ def end_subtree(end: SubtreeEnd) -> None:
             final_state=final_state,
             event_type=event_type,
             also_set="finished_at = %(now)s, cancel_reason = %(reason)s, lease_expires_at = NULL, worker_id = ''",
+            locked_columns=HELD_COLUMNS,
+            data_sql=f"{END_EVENT_DATA_SQL} || {held_event_data_sql('was')}",
         )
         return
-    rows = list(
+    tasks = list(
         Task.objects.filter(run_path__startswith=end.path_prefix, state__in=TASK_UNFINISHED)
         .order_by("id")
         .select_for_update()
-        .values_list("id", "project_id", "run_id", "run_path")
+        .only("id", "project_id", "run_id", "run_path", *HELD_COLUMNS.split(", "))
     )
-    for start in range(0, len(rows), CASCADE_CHUNK):
-        chunk = rows[start : start + CASCADE_CHUNK]
-        Task.objects.filter(id__in=[row[0] for row in chunk]).update(
+    for start in range(0, len(tasks), CASCADE_CHUNK):
+        chunk = tasks[start : start + CASCADE_CHUNK]
+        Task.objects.filter(id__in=[task.id for task in chunk]).update(
             state=final_state,
             finished_at=end.now,
             cancel_reason=end.reason,
@@ -216,14 +249,14 @@ def end_subtree(end: SubtreeEnd) -> None:
         events_record_many(
             [
                 Event(
-                    project_id=project_id,
+                    project_id=task.project_id,
                     type=event_type,
-                    run_id=run_id,
-                    run_path=run_path,
-                    subject_id=str(task_id),
-                    data={"reason": end.reason, "cause": end.cause},
+                    run_id=task.run_id,
+                    run_path=task.run_path,
+                    subject_id=str(task.id),
+                    data={"reason": end.reason, "cause": end.cause, **held_event_data(task)},
                     created_at=end.now,
                 )
-                for task_id, project_id, run_id, run_path in chunk
+                for task in chunk
             ]
         )

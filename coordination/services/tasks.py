@@ -523,9 +523,10 @@ def task_cancel(
 ) -> Task:
     """Cancel one task: a queued one at once, a running one cooperatively.
 
-    A running task becomes ``CANCELLATION_REQUESTED``; its worker learns it on the next
-    renewal. With ``grace_ms``, the server records ``CANCELLED`` once the grace has passed
-    and the claim is lost from then on. A finished task, or a repeated request, is answered
+    A running task becomes ``CANCELLATION_REQUESTED``; its worker learns it from its claim
+    watch at once (the event names it), or at the latest on its next renewal. With
+    ``grace_ms``, the server records ``CANCELLED`` once the grace has passed and the claim is
+    lost from then on. A finished task, or a repeated request, is answered
     unchanged.
     """
     if grace_ms is not None and grace_ms < 0:
@@ -538,7 +539,13 @@ def task_cancel(
     elif task.state == TaskState.RUNNING:
         grace_until = now + timedelta(milliseconds=grace_ms) if grace_ms is not None else None
         task_transitions.request_cancellation(task, now=now, reason=reason, grace_until=grace_until)
-        record(task, "task.cancellation_requested", reason=reason, graceMs=grace_ms)
+        record(
+            task,
+            "task.cancellation_requested",
+            reason=reason,
+            graceMs=grace_ms,
+            **task_transitions.held_event_data(task),
+        )
     after_change(task, locked_group, now)
     return task
 

@@ -294,8 +294,9 @@ def _comparable(task_id: uuid.UUID, data: dict) -> dict:
     """Return an event's data as both worlds can agree on it.
 
     A claim id names its task, whose id differs between the worlds: it is checked against its
-    task and attempt (``claim_id_for``) rather than compared.
+    task (``claim_id_for``), and its attempt compared.
     """
     if "claimId" not in data:
         return data
-    return {**data, "claimId": data["claimId"] == claim_id_for(task_id, data["attempt"])}
+    attempt = int(data["claimId"].rsplit("_", 1)[1])
+    return {**data, "claimId": (data["claimId"] == claim_id_for(task_id, attempt), attempt)}

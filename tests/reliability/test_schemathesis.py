@@ -14,7 +14,7 @@ test: a run and its child, WORK and QUEUE mailboxes, a queued and a claimed task
 delivery, a group with a member, a barrier, a timer and an event cursor. Each test gets a
 fresh world, so one operation's changes (a cancelled run) never decide another's answers.
 
-Long-polls are called with a tiny timeout and the event stream is read for half a second;
+Long-polls are called with a tiny timeout and the streams (events, claim watch) are read for half a second;
 examples are bounded and derandomized, and Hypothesis keeps no example database.
 
 The operations the hot path serves (``coordination/api/hot``: ``hot.ENDPOINTS``) are fuzzed a
@@ -76,7 +76,8 @@ KEYLESS_MAX_EXAMPLES = 5
 HOT_MAX_EXAMPLES = 10
 # A long-poll waits at most this long (ms); generated values above it are lowered to it.
 TINY_WAIT_MS = 20
-# The event stream is read for this long (s) before the client lets it go.
+# The endless streams (Server-Sent Events), each read for this long (s) before the client lets it go.
+STREAMS = frozenset({"/v1/events/stream", "/v1/claims/watch"})
 STREAM_READ_S = 0.5
 REQUEST_TIMEOUT_S = 30
 
@@ -299,7 +300,7 @@ def call_and_validate(case, key_kind: str, server, world: dict):
         use_real_ids(case, world)
     keep_waits_tiny(case)
     headers = authorization_for(case, key_kind, world)
-    timeout = STREAM_READ_S if case.operation.path == "/v1/events/stream" else REQUEST_TIMEOUT_S
+    timeout = STREAM_READ_S if case.operation.path in STREAMS else REQUEST_TIMEOUT_S
     FIGURES[f"requests ({key_kind} key)"] += 1
     response = case.call(base_url=server.url, headers=headers, timeout=timeout)
     FIGURES[f"{response.status_code // 100}xx ({key_kind} key)"] += 1
@@ -372,7 +373,7 @@ class HotApplication:
 
     async def __call__(self, scope, receive, send):  # noqa: D102 - the application's
         self.loops.add(asyncio.get_running_loop())
-        if scope.get("path") == "/v1/events/stream":
+        if scope.get("path") in STREAMS:
             receive = _leaving_after(receive, STREAM_READ_S)
         return await self.application(scope, receive, send)
 

@@ -47,27 +47,13 @@ SSE_EVENT_SCHEMA = {
 }
 
 
-class EventStreamQuery(serializers.Serializer):
-    """Query of ``GET /v1/events/stream``."""
-
-    after = EventCursorField(required=False, allow_blank=True, max_length=100)
-    types = serializers.CharField(required=False, allow_blank=True, max_length=2000)
-    runId = serializers.CharField(required=False, max_length=100)
-
-
-class EventStreamView(AsyncApiView):
-    """Stream events as they commit, resumable with ``Last-Event-ID``."""
-
-    required_permissions = {"GET": Permission.COORDINATION_READ}
-    # The stream answers text/event-stream itself; refusals before it starts are the JSON
-    # envelope (the first renderer) even for a client accepting only text/event-stream.
-    content_negotiation_class = FirstRenderer
-
-    @extend_schema(
-        operation_id="events_stream",
-        description=STREAM_DESCRIPTION,
+def stream_schema(*, operation_id: str, description: str, query: type[serializers.Serializer]):
+    """Return the OpenAPI description of a Server-Sent Events operation: its query, ``Last-Event-ID``, its frames."""
+    return extend_schema(
+        operation_id=operation_id,
+        description=description,
         parameters=[
-            EventStreamQuery,
+            query,
             OpenApiParameter(
                 "Last-Event-ID",
                 # An empty header is no header: the stream starts after ``after``.
@@ -83,9 +69,27 @@ class EventStreamView(AsyncApiView):
             **ERRORS,
         },
     )
-    async def get(self, request):
-        """Stream events after ``Last-Event-ID`` / ``after`` (else new ones), filtered by ``types`` and ``runId``."""
-        query = self.query(EventStreamQuery)
+
+
+class EventStreamQuery(serializers.Serializer):
+    """Query of ``GET /v1/events/stream``."""
+
+    after = EventCursorField(required=False, allow_blank=True, max_length=100)
+    types = serializers.CharField(required=False, allow_blank=True, max_length=2000)
+    runId = serializers.CharField(required=False, max_length=100)
+
+
+class StreamView(AsyncApiView):
+    """A view answering Server-Sent Events: ``frames`` makes the stream once its query (``query_class``) is checked."""
+
+    # The stream answers text/event-stream itself; refusals before it starts are the JSON
+    # envelope (the first renderer) even for a client accepting only text/event-stream.
+    content_negotiation_class = FirstRenderer
+    query_class: type[serializers.Serializer]
+
+    async def stream(self, request):
+        """Check the query, take a place among the key's waits, and answer the frames."""
+        query = self.query(self.query_class)
         visibility = self.visibility
         # The stream outlives this view: the place is given back when the stream ends.
         place = self.hand_over_wait()
@@ -95,6 +99,22 @@ class EventStreamView(AsyncApiView):
             place.release()
             raise
         return event_stream_response(releasing(frames, place.release))
+
+    async def frames(self, request, query: dict, visibility):
+        """Return the stream's frames (an async iterator of bytes); refuse bad input before it starts."""
+        raise NotImplementedError
+
+
+class EventStreamView(StreamView):
+    """Stream events as they commit, resumable with ``Last-Event-ID``."""
+
+    required_permissions = {"GET": Permission.COORDINATION_READ}
+    query_class = EventStreamQuery
+
+    @stream_schema(operation_id="events_stream", description=STREAM_DESCRIPTION, query=EventStreamQuery)
+    async def get(self, request):
+        """Stream events after ``Last-Event-ID`` / ``after`` (else new ones), filtered by ``types`` and ``runId``."""
+        return await self.stream(request)
 
     async def frames(self, request, query, visibility):
         """Return the stream's frames: check the cursor and the run now, stream from the shared feed."""

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from coordination.domain import exceptions
-from coordination.domain.ids import fence_id, fence_id_sql, parse_fence_id
+from coordination.domain.ids import CLAIM_PREFIX, claim_id_for, claim_id_sql, parse_fence_id
 from coordination.models import Task
 
 
@@ -25,14 +25,6 @@ class Claim:
         return claim_id_for(self.task.id, self.attempt)
 
 
-def claim_id_for(task_id: uuid.UUID, attempt: int) -> str:
-    """Return the claim id of ``attempt`` on ``task_id``."""
-    return fence_id(_PREFIX, task_id, attempt)
-
-
-_PREFIX = "c"
-
-
 def claimed_event_data(task: Task, worker_id: str) -> dict[str, object]:
     """Return the data of the ``task.claimed`` event of ``task``, just claimed (its ``attempts`` counted).
 
@@ -44,14 +36,13 @@ def claimed_event_data(task: Task, worker_id: str) -> dict[str, object]:
 
 # ``claimed_event_data`` as an expression over the claimed task's row, for the single statements.
 CLAIMED_EVENT_DATA_SQL = (
-    "jsonb_build_object('attempt', attempts, 'workerId', worker_id, "
-    f"'claimId', {fence_id_sql(_PREFIX, 'id', 'attempts')})"
+    f"jsonb_build_object('attempt', attempts, 'workerId', worker_id, 'claimId', {claim_id_sql('id', 'attempts')})"
 )
 
 
 def parse_claim_id(claim_id: str) -> tuple[uuid.UUID, int]:
     """Split a claim id into task id and attempt; a malformed one is ``NOT_FOUND``."""
     try:
-        return parse_fence_id("c", claim_id)
+        return parse_fence_id(CLAIM_PREFIX, claim_id)
     except ValueError:
         raise exceptions.NotFound("Claim not found.", claimId=str(claim_id)) from None

@@ -129,13 +129,14 @@ def lease_expired(task: Task, now: datetime) -> list[Event]:
     After a cancellation request it is ``CANCELLED``; else it goes back to the queue while
     attempts remain, and fails with ``lease_expired`` when none do.
     """
+    held = task_transitions.held_event_data(task)  # the worker that may still be running it is told
     if task.state == TaskState.CANCELLATION_REQUESTED:
         task_transitions.release(task, now=now)
-        return [event_for(task, "task.cancelled", reason=task.cancel_reason, cause="cancellation_finalized")]
+        return [event_for(task, "task.cancelled", reason=task.cancel_reason, cause="cancellation_finalized", **held)]
     if task.attempts < task.max_attempts:
         task_transitions.release(task, now=now)
         # A crashed Celery worker's message is gone: send the task out again.
         dispatch.work_requeued(task)
-        return [event_for(task, "task.requeued", cause="lease_expired", attempt=task.attempts)]
+        return [event_for(task, "task.requeued", cause="lease_expired", attempt=task.attempts, **held)]
     task_transitions.fail(task, now=now, error=dict(task_transitions.LEASE_EXPIRED_ERROR))
-    return [event_for(task, "task.failed", error=task.error)]
+    return [event_for(task, "task.failed", error=task.error, **held)]

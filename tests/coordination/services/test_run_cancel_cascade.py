@@ -14,7 +14,8 @@ from django.test.utils import CaptureQueriesContext
 
 from bench.cancel import build
 from coordination.domain import exceptions
-from coordination.domain.states import TASK_UNFINISHED
+from coordination.domain.ids import claim_id_for
+from coordination.domain.states import TASK_HELD, TASK_UNFINISHED
 from coordination.models import Barrier, Event, Message, Run, Task, Timer
 from coordination.services.barriers import barrier_arrive, barrier_create
 from coordination.services.claims import claim_complete, claim_fail, task_claim
@@ -53,6 +54,13 @@ def _tasks_in_every_state(project, mailbox, run) -> dict[str, Task]:
 def _snapshot(task_ids) -> dict:
     """Return every column of the tasks, to compare before and after."""
     return {row["id"]: row for row in Task.objects.filter(id__in=task_ids).values()}
+
+
+def _held(task_id, before: dict) -> dict:
+    """Return what the end's event says of the claim on the task, as the task was before it."""
+    if before["state"] in TASK_HELD and before["worker_id"]:
+        return {"heldBy": before["worker_id"], "claimId": claim_id_for(task_id, before["attempts"])}
+    return {}
 
 
 def _terminal_events(task_ids) -> Counter:
@@ -163,13 +171,15 @@ def _end_and_check(tree, how, *, state, event_type, data):
     by_subject = {e.subject_id: e for e in events}
     for task_id in ended:
         event = by_subject[str(task_id)]
-        assert event.data == data
+        assert event.data == {**data, **_held(task_id, before_inside[task_id])}
         assert event.created_at == after[task_id]["finished_at"]
         assert (event.run_id, event.run_path, event.project_id) == (
             after[task_id]["run_id"],
             after[task_id]["run_path"],
             after[task_id]["project_id"],
         )
+    # A held task's event names its claim and worker (the claim watch pushes it): some are.
+    assert any("heldBy" in event.data for event in events)
     # The finished ones got no second terminal event.
     assert set(_terminal_events(kept).values()) == {1}
 
