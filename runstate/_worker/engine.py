@@ -6,7 +6,9 @@ thread (it cannot be cancelled: it is told through ``ctx.signal`` and its result
 
 Completions go through the completion buffer (``runstate/_worker/completer.py``). One
 renewer tick renews every held claim in one ``POST /v1/claims/renew``. Failures and
-releases have no batch endpoint and are sent one by one.
+releases have no batch endpoint and are sent one by one. The claim watch
+(``runstate/_worker/watch.py``) tells the loop at once when something stops a claim it holds;
+renewal reports the same, later, when the watch is down.
 """
 
 import asyncio
@@ -36,11 +38,16 @@ from runstate._worker.completer import _Completer
 from runstate._worker.contexts import CancellationRequested, _TaskContextBase
 from runstate._worker.protocols import Claim, Tasks
 from runstate._worker.signals import _sigterm_stops
+from runstate._worker.watch import READY_TIMEOUT_S, ClaimWatch
 
 logger = logging.getLogger("runstate.worker")
 
 # The server's cap on ``max`` of one claim call.
 MAX_CLAIMS_PER_CALL = 100
+
+# Why a pushed event stops a claim, as renewal would say it (``_renewed``): the run refused
+# (cancelled, completed, past its deadline), else the claim is gone.
+_SCOPE_CAUSES = frozenset({"run_cancelled", "run_completed", "run_deadline"})
 
 
 @dataclass
@@ -123,9 +130,15 @@ class Engine(FetchLoop[ConsumeSummary]):
         self._completer = _Completer(self._tasks)
         self._completer.start()
         renewer = asyncio.create_task(self._renew_loop(), name="runstate-renew")
+        watch = ClaimWatch(self._http, self.worker_id, self._pushed)
+        watcher = asyncio.create_task(watch.run(), name="runstate-claim-watch")
         with _sigterm_stops(self, loop):
             try:
                 try:
+                    # Claims taken before the watch opens hear a cancel at renewal only: wait for it, briefly.
+                    ready = asyncio.ensure_future(watch.ready.wait())
+                    await asyncio.wait({ready, watcher}, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                    ready.cancel()
                     await self._claim_loop()
                 except BaseException:
                     # Cancelled from outside, or an error that ends the loop: hand everything back now.
@@ -133,8 +146,9 @@ class Engine(FetchLoop[ConsumeSummary]):
                     raise
                 await self._shutdown(drain_timeout=self.drain_timeout)
             finally:
-                renewer.cancel()
-                await asyncio.gather(renewer, return_exceptions=True)
+                for background in (renewer, watcher):
+                    background.cancel()
+                await asyncio.gather(renewer, watcher, return_exceptions=True)
                 await self._completer.close()  # every completion is sent before the loop returns
         return self.summary
 
@@ -188,6 +202,16 @@ class Engine(FetchLoop[ConsumeSummary]):
         if held.handler is not None and not held.handler.done():
             logger.info("task %s: claim lost (%s); cancelling its handler", held.claim.task_id, reason)
             held.handler.cancel()
+
+    def _pushed(self, event_type: str, claim_id: str, data: JsonDict) -> None:
+        """Apply what the claim watch says of one claim, as its renewal would say it later."""
+        held = self._held.get(claim_id)
+        if held is None or held.lost or not held.running():
+            return  # not ours (another loop with the same worker id), or its handler returned already
+        if event_type == "task.cancellation_requested":
+            held.ctx._trip("cancellation_requested")
+        else:
+            self._lose(held, "scope_refused" if data.get("cause") in _SCOPE_CAUSES else "lease_lost")
 
     async def _renew_loop(self) -> None:
         """Every ``renew_fraction`` of the TTL, renew every held claim in one call.

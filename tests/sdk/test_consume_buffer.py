@@ -19,6 +19,7 @@ from django.utils import timezone
 from coordination.models import Task
 from coordination.services.sweeps import tasks_settle_expired_leases
 from runstate import AsyncRunstate, Runstate
+from runstate._worker import watch
 from tests.sdk.test_batches import CountingAsyncTransport
 from tests.sdk.test_worker import consumer_process, kill_after, prepare
 from tests.waiting import until, wait_until
@@ -27,6 +28,17 @@ pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)
 
 NEVER_S = 3600.0  # a flush delay no test waits out
 UNREACHABLE = 10_000  # a flush size no test reaches
+
+
+@pytest.fixture
+def renewal_only(monkeypatch):
+    """Workers without their claim watch, as against a server that has none: renewal alone tells them.
+
+    These tests let a lease run out under a running handler and take its task over, to see what
+    the worker does with a result it can no longer record; the watch would tell it first (that
+    is ``tests/sdk/test_cancel_push.py``'s), and a worker given a 404 falls back to renewal.
+    """
+    monkeypatch.setattr(watch, "PATH", "/claims/watch-absent")
 
 
 def batches(transport, path):
@@ -141,7 +153,7 @@ def steal(task_id):
 
 
 @pytest.mark.parametrize("flush_size", [50, 1])
-def test_a_lost_claim_in_a_buffer_is_reported_like_an_unbatched_one(sdk, monkeypatch, caplog, flush_size):
+def test_a_lost_claim_in_a_buffer_is_reported_like_an_unbatched_one(sdk, monkeypatch, caplog, flush_size, renewal_only):
     """Three buffered completions, one of a claim taken over meanwhile: two recorded, one lost, in one request.
 
     With a flush size of 1 each completion goes alone: the summary and the log are the same.
@@ -169,7 +181,7 @@ def test_a_lost_claim_in_a_buffer_is_reported_like_an_unbatched_one(sdk, monkeyp
     assert {(row.state, row.attempts) for row in rows.values()} == {("SUCCEEDED", 1)}
 
 
-def test_the_sync_worker_reports_a_lost_buffered_completion_like_an_unbatched_one(sdk, caplog):
+def test_the_sync_worker_reports_a_lost_buffered_completion_like_an_unbatched_one(sdk, caplog, renewal_only):
     with Runstate() as rs:
         rs.mailboxes.ensure("lossy-sync", mode="WORK")
         run = rs.scopes.create()
@@ -206,7 +218,7 @@ def test_the_sync_worker_reports_a_lost_buffered_completion_like_an_unbatched_on
     ), caplog.messages
 
 
-def test_one_renewer_tick_renews_every_held_claim_and_a_refusal_trips_that_task_only(sdk):
+def test_one_renewer_tick_renews_every_held_claim_and_a_refusal_trips_that_task_only(sdk, renewal_only):
     """Four held claims renewed in one call per tick; one cancelled, one taken over: only those two are told."""
     seen = {}
 

@@ -1,0 +1,159 @@
+"""A cancel reaches running handlers through the claim watch, not at the next renewal (issue 38).
+
+Every worker here takes a ten-minute lease: renewal would come after 200 s, past any wait of
+these tests (``WAIT_S``), so a handler that sees its cancel was told by the watch. The watch
+is cut between the worker and the API (a proxy, ``tests/proxy.py``) and the API process is
+restarted while cancels are issued: each handler still sees its own.
+"""
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+
+from coordination.models import Task
+from coordination.services.runs import run_cancel
+from coordination.services.tasks import task_cancel
+from runstate import AsyncRunstate, Runstate
+from tests.operator.live import uvicorn_server
+from tests.proxy import proxy_to
+from tests.waiting import WAIT_S, until
+
+pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
+
+# Renewal every 200 s: far past WAIT_S.
+LONG_LEASE_MS = 600_000
+
+
+class Handlers:
+    """Async handlers that wait for their signal and return why they stopped."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, asyncio.Event] = {}
+        self.stopped: dict[str, str | None] = {}
+
+    async def handler(self, ctx):
+        self.started.setdefault(ctx.task_id, asyncio.Event()).set()
+        try:
+            await ctx.signal.wait()
+        finally:  # also when the loop cancels it (its claim is gone): the first reason given
+            self.stopped[ctx.task_id] = ctx.stop_reason
+        return {"stopped": ctx.stop_reason}
+
+    async def running(self, count: int) -> None:
+        await until(lambda: len(self.started) >= count, waits=1, what=f"{count} handlers running")
+
+
+async def start(rs, mailbox: str, count: int, handlers: Handlers):
+    await rs.mailboxes.ensure(mailbox, mode="WORK", lease_ttl_ms=LONG_LEASE_MS)
+    run = await rs.scopes.create()
+    tickets = [await run.tasks.submit(mailbox, {"n": n}) for n in range(count)]
+    worker = run.worker(mailbox, handlers.handler, concurrency=count, handle_signals=False)
+    running = asyncio.create_task(worker.run())
+    await handlers.running(count)
+    return run, tickets, worker, running
+
+
+def test_a_task_cancel_reaches_a_running_async_handler_at_once(sdk):
+    handlers = Handlers()
+
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            _, (ticket, other), worker, running = await start(rs, "push", 2, handlers)
+            await ticket.cancel(reason="enough")
+            task = await ticket.result(timeout_ms=int(WAIT_S * 1000))
+            still_running = other.id not in handlers.stopped
+            worker.stop()
+            await running
+            return task, still_running, ticket.id
+
+    task, still_running, task_id = asyncio.run(scenario())
+    assert task["state"] == "CANCELLED" and task["outcome"] == {"stopped": "cancellation_requested"}
+    assert handlers.stopped[task_id] == "cancellation_requested"
+    assert still_running  # the other claim of the same worker was not touched
+
+
+def test_a_run_cancel_reaches_every_busy_slot_of_a_sync_worker(sdk):
+    stopped: dict[str, str | None] = {}
+    started = threading.Semaphore(0)
+
+    def handler(ctx):
+        started.release()
+        ctx.signal.wait(WAIT_S)  # a threading.Event: this handler's thread only
+        stopped[ctx.task_id] = ctx.stop_reason
+
+    with Runstate() as rs:
+        rs.mailboxes.ensure("busy", mode="WORK", lease_ttl_ms=LONG_LEASE_MS)
+        run = rs.scopes.create()
+        for n in range(3):
+            run.tasks.submit("busy", {"n": n})
+        worker = run.worker("busy", handler, concurrency=3, handle_signals=False)
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        try:
+            for _ in range(3):
+                assert started.acquire(timeout=WAIT_S)
+            run.cancel(reason="enough")
+            thread.join(WAIT_S)
+        finally:
+            worker.stop()
+            thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert list(stopped.values()) == ["scope_refused"] * 3
+    assert worker.summary.stop_reason == "SCOPE_CANCELLED"
+
+
+def test_a_cancel_issued_while_the_watch_is_cut_reaches_its_handler_when_it_reconnects(sdk, sdk_server, monkeypatch):
+    handlers = Handlers()
+    with proxy_to(port_of(sdk_server.url)) as proxy:
+        monkeypatch.setenv("RUNSTATE_URL", proxy.url)
+
+        async def scenario():
+            async with AsyncRunstate() as rs:
+                run, tickets, worker, running = await start(rs, "cut", 3, handlers)
+                proxy.cut()  # the watch, the claim long-poll: every connection of the worker
+                for ticket in tickets[:2]:
+                    await asyncio.to_thread(task_cancel, project_id=sdk.project_id, task_id=ticket.id)
+                proxy.restore()
+                await until(lambda: len(handlers.stopped) >= 2, waits=1, what="the two missed cancels")
+                await asyncio.to_thread(task_cancel, project_id=sdk.project_id, task_id=tickets[2].id)
+                await until(lambda: len(handlers.stopped) >= 3, waits=1, what="the cancel after reconnecting")
+                worker.stop()
+                await running
+                return [ticket.id for ticket in tickets]
+
+        task_ids = asyncio.run(scenario())
+    assert handlers.stopped == dict.fromkeys(task_ids, "cancellation_requested")
+    assert set(Task.objects.filter(id__in=task_ids).values_list("state", flat=True)) == {"CANCELLED"}
+
+
+def test_cancels_issued_while_the_api_restarts_reach_their_handlers(sdk, monkeypatch, tmp_path):
+    handlers = Handlers()
+    with contextlib.ExitStack() as servers:
+        first_context = uvicorn_server(tmp_path / "first")
+        first = servers.enter_context(first_context)
+        with proxy_to(port_of(first.url)) as proxy:
+            monkeypatch.setenv("RUNSTATE_URL", proxy.url)
+
+            async def scenario():
+                async with AsyncRunstate() as rs:
+                    run, tickets, worker, running = await start(rs, "restart", 3, handlers)
+                    # The API process goes away; while it is down, a task cancel and a run cancel.
+                    await asyncio.to_thread(first_context.__exit__, None, None, None)
+                    await asyncio.to_thread(task_cancel, project_id=sdk.project_id, task_id=tickets[0].id)
+                    await asyncio.to_thread(run_cancel, project_id=sdk.project_id, run_id=run.id)
+                    second = await asyncio.to_thread(servers.enter_context, uvicorn_server(tmp_path / "second"))
+                    proxy.retarget(port_of(second.url))
+                    await until(lambda: len(handlers.stopped) >= 3, waits=1, what="every cancel after the restart")
+                    worker.stop()
+                    await running
+                    return [ticket.id for ticket in tickets]
+
+            task_ids = asyncio.run(scenario())
+    assert handlers.stopped[task_ids[0]] == "cancellation_requested"
+    assert [handlers.stopped[task_id] for task_id in task_ids[1:]] == ["scope_refused"] * 2
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
