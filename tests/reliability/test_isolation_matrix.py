@@ -55,6 +55,7 @@ NO_FOREIGN_IDS = {
     "mailboxes_ensure": "mailbox names are per project: ensuring B's name creates A's own mailbox",
     "pools_put": "pool names are per project: putting B's name creates A's own pool",
     "quotas_put": "quota names are per project: putting B's name creates A's own quota",
+    "claims_watch": "takes a worker id, no object: it reads its caller's project only (tests/api/test_claim_watch.py)",
 }
 
 
@@ -369,6 +370,7 @@ BOUND_OPEN = {
     "readyz": "no key, no data",
     "mailboxes_retrieve": "a mailbox's settings (mode, lease TTL, attempts), which a bound worker reads; no usage",
     "pools_retrieve": "answered with the subtree's share of the pool's use only (asserted below)",
+    "claims_watch": "an endless stream of the key's subtree's events only (tests/api/test_claim_watch.py, a bound key)",
 }
 
 # Operations whose call inside the subtree the column does not make, and why.
