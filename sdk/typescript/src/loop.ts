@@ -213,6 +213,11 @@ export abstract class FetchLoop<Item, H extends HeldItem, S extends LoopSummary>
     return Promise.resolve();
   }
 
+  /** What to wait for, once the background started, before the first fetch (nothing by default). */
+  protected ready(): Promise<void> {
+    return Promise.resolve();
+  }
+
   /** Stop fetching; running handlers get `drainTimeoutMs` to finish and record. */
   stop(): void {
     if (this.stopController.signal.aborted) return;
@@ -254,6 +259,7 @@ export abstract class FetchLoop<Item, H extends HeldItem, S extends LoopSummary>
       }
       background = this.background(backgroundStop.signal);
       try {
+        await this.ready();
         await this.fetchLoop();
       } catch (error) {
         // An error that ends the loop: hand everything back now, then throw it.

@@ -7,6 +7,9 @@
  * is lost, when the run refuses work, or when the worker gives up on it while stopping. Pass it
  * to `fetch` and other I/O so that work in flight rejects at once.
  *
+ * The signal aborts as soon as the server pushes what stops the claim, over the claim watch
+ * (`watch.ts`, one connection per worker); renewal reports the same, later, while it is down.
+ *
  * The fetch loop, stopping (`SIGTERM`, `stop()`, draining) and the context's signal are
  * `loop.ts`'s, shared with the message loop (`message-worker.ts`).
  *
@@ -34,9 +37,14 @@ import {
 } from './loop.js';
 import { ProcessSpan } from './tracing.js';
 import type { TaskData } from './types.js';
+import { ClaimWatch, READY_TIMEOUT_MS } from './watch.js';
 import { Claim, MAX_CLAIM_BATCH, Tasks, type ClaimResult } from './work.js';
 
 export type { StopReason } from './loop.js';
+
+// Why a pushed event stops a claim, as renewal would say it: the run refused (cancelled,
+// completed, past its deadline), else the claim is gone.
+const SCOPE_CAUSES = new Set(['run_cancelled', 'run_completed', 'run_deadline']);
 
 /** What a handler gets: the claimed task, and whether (and why) it should stop. */
 export class TaskContext<I = unknown> extends HandlerContext {
@@ -150,6 +158,7 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
   private batchRenew = true;
   private batchComplete = true;
   private pendingCompletes: { claim: Claim; outcome: unknown; settle: (result: ClaimResult) => void }[] = [];
+  private readonly watch: ClaimWatch;
 
   constructor(
     http: Http,
@@ -168,10 +177,26 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
     this.workerId = options.workerId ?? `${hostname()}:${process.pid}:${Math.random().toString(16).slice(2, 10)}`;
     this.claimWaitMs = claimWaitMs;
     this.renewFraction = renewFraction;
+    this.watch = new ClaimWatch(http, this.workerId, (type, claimId, data) => this.pushed(type, claimId, data), this.log);
   }
 
-  protected override background(signal: AbortSignal): Promise<void> {
-    return this.renewLoop(signal);
+  protected override async background(signal: AbortSignal): Promise<void> {
+    await Promise.all([this.renewLoop(signal), this.watch.run(signal)]);
+  }
+
+  /** Claims taken before the watch opens hear a cancel at renewal only: wait for it, briefly. */
+  protected override async ready(): Promise<void> {
+    let timer: NodeJS.Timeout | undefined;
+    await Promise.race([this.watch.ready, new Promise<void>((resolve) => (timer = setTimeout(resolve, READY_TIMEOUT_MS)))]);
+    clearTimeout(timer);
+  }
+
+  /** Apply what the claim watch says of one claim, as its renewal would say it later. */
+  private pushed(type: string, claimId: string, data: Record<string, unknown>): void {
+    const held = this.held.get(claimId);
+    if (held === undefined || held.lost || held.recording || held.abandoned) return;
+    if (type === 'task.cancellation_requested') held.context.trip('cancellation_requested');
+    else this.lose(held, SCOPE_CAUSES.has(String(data.cause)) ? 'scope_refused' : 'lease_lost');
   }
 
   protected fetch(max: number, signal: AbortSignal): Promise<Claim[]> {
