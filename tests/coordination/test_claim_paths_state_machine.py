@@ -40,11 +40,11 @@ from coordination.services.claims import (
     claims_renew_many,
     task_claim,
 )
-from coordination.services.claims.claim import claim_id_for
 from coordination.services.keys import project_ensure
 from coordination.services.mailboxes import mailbox_ensure
 from coordination.services.runs import run_cancel, run_create
 from coordination.services.tasks import task_cancel, task_submit
+from tests.claim_ids import claim_named
 from tests.machines import machine_settings
 
 pytestmark = pytest.mark.postgres_only
@@ -294,9 +294,8 @@ def _comparable(task_id: uuid.UUID, data: dict) -> dict:
     """Return an event's data as both worlds can agree on it.
 
     A claim id names its task, whose id differs between the worlds: it is checked against its
-    task (``claim_id_for``), and its attempt compared.
+    task (``claim_named``), and its attempt compared.
     """
     if "claimId" not in data:
         return data
-    attempt = int(data["claimId"].rsplit("_", 1)[1])
-    return {**data, "claimId": (data["claimId"] == claim_id_for(task_id, attempt), attempt)}
+    return {**data, "claimId": claim_named(task_id, data["claimId"])}
