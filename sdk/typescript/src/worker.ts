@@ -42,6 +42,9 @@ import { Claim, MAX_CLAIM_BATCH, Tasks, type ClaimResult } from './work.js';
 
 export type { StopReason } from './loop.js';
 
+// The server's cap on `max` of one claim call: a worker with more free slots fills them in several calls.
+const MAX_CLAIMS_PER_CALL = 100;
+
 // Why a pushed event stops a claim, as renewal would say it: the run refused (cancelled,
 // completed, past its deadline), else the claim is gone.
 const SCOPE_CAUSES = new Set(['run_cancelled', 'run_completed', 'run_deadline']);
@@ -201,7 +204,7 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
 
   protected fetch(max: number, signal: AbortSignal): Promise<Claim[]> {
     return this.tasks.claim(this.mailbox, {
-      max,
+      max: Math.min(max, MAX_CLAIMS_PER_CALL),
       waitMs: this.claimWaitMs,
       workerId: this.workerId,
       signal,

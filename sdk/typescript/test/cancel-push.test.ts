@@ -53,16 +53,14 @@ describe('a cancel pushed to running handlers', { concurrency: true, timeout: 18
     assert.equal(otherAborted, false);
   });
 
-  test('a run cancel aborts every busy slot and ends consume', async () => {
-    const { rs, run, contexts, running } = await busyWorker(3);
+  test('a run cancel aborts every busy slot (more than one claim call takes) and ends consume', async () => {
+    // 120 slots: the server hands out 100 claims a call at most, so the worker fills them in two.
+    const { rs, run, contexts, running } = await busyWorker(120);
     await rs.scope(run.id).cancel({ reason: 'stop everything' });
     const summary = await running;
 
     assert.equal(summary.stopReason, 'SCOPE_CANCELLED');
-    assert.equal(summary.lost, 3);
-    assert.deepEqual(
-      [...contexts.values()].map((context) => context.stopReason),
-      ['scope_refused', 'scope_refused', 'scope_refused'],
-    );
+    assert.equal(summary.lost, 120);
+    assert.deepEqual(new Set([...contexts.values()].map((context) => context.stopReason)), new Set(['scope_refused']));
   });
 });
