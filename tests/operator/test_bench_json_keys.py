@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import groups, limits, mcp, retention, stream, timers
+from bench import cancel_push, groups, limits, mcp, retention, stream, timers
 from bench.celery import figures as celery_figures
 from bench.harness.meters import CpuMeter
 from bench.harness.pgbench import PgbenchResult
@@ -85,6 +85,16 @@ RETENTION = {
     "bytes_per_event",
 }
 STREAM = {"sse_delivery_p99_ms", "sse_gaps", "sse_duplicates"}
+CANCEL_PUSH = {
+    "push_cancel_p99_ms",
+    "push_cancel_missed",
+    "handlers",
+    "renewal_only_p99_ms",
+    "single_cancel_p99_ms",
+    "run_cancel_p99_ms",
+    "from_request_p99_ms",
+    "rounds",
+}
 LIMITS = {
     "pool_pairs_per_s",
     "quota_takes_per_s",
@@ -175,7 +185,28 @@ def other_benchmarks_figures() -> dict[str, tuple[dict, set[str]]]:
         "bench/retention.py": (retention.json_figures(0.01, 5.0, 2.0, 1_000_000, 200.0), RETENTION),
         "bench/stream.py": (stream.json_figures(120.0, 0, 0), STREAM),
         "bench/limits.py": (limits.json_figures(900.0, 1500.0, 3000.0, 3000.0, ledger), LIMITS),
+        "bench/cancel_push.py": (cancel_push.json_figures(pushed_rounds(), 4), CANCEL_PUSH),
     }
+
+
+def pushed_rounds() -> list:
+    """Two Python rounds with the watch (one missed handler in the second), a restart round, a renewal round."""
+    return [
+        cancel_push.Round("python", "push", single=[10.0], run=[20.0, 30.0, 40.0], missed=0),
+        cancel_push.Round("python", "push", single=[12.0], run=[22.0, 32.0], missed=1),
+        cancel_push.Round("python", "restart", single=[900.0], run=[950.0], missed=0),
+        cancel_push.Round("python", "renewal", single=[9000.0], run=[9500.0], missed=2),
+    ]
+
+
+def test_cancel_push_counts_only_the_rounds_with_the_watch_and_nulls_a_language_not_measured():
+    figures = cancel_push.json_figures(pushed_rounds(), 4)
+
+    assert figures["push_cancel_p99_ms"] == {"python": 40.0, "typescript": None, "celery": None}
+    assert figures["push_cancel_missed"] == 1  # the renewal round's handlers are not push misses
+    assert figures["renewal_only_p99_ms"]["python"] == 9500.0
+    assert (figures["single_cancel_p99_ms"]["python"], figures["run_cancel_p99_ms"]["python"]) == (12.0, 40.0)
+    assert (figures["handlers"], figures["rounds"]) == (4, 4)
 
 
 @pytest.mark.parametrize("benchmark", sorted(other_benchmarks_figures()))
