@@ -14,6 +14,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
@@ -21,7 +22,7 @@ from django.http import StreamingHttpResponse
 
 from coordination.api.longpoll import RECHECK_S, db, shared_db
 from coordination.models import Event
-from coordination.plumbing.notify import ANY_TOPIC, SQLITE_POLL_S, hub
+from coordination.plumbing.notify import ANY_TOPIC, HELD_TOPIC, SQLITE_POLL_S, hub
 from coordination.reads import selectors
 
 # Events read per database round trip; a full batch is followed by the next one at once.
@@ -38,6 +39,26 @@ logger = logging.getLogger(__name__)
 ReadAfter = Callable[[str], tuple[list[Event], str]]
 # A feed's read: the events of some projects after a position, oldest first, at most ``limit``.
 FeedRead = Callable[[tuple[int, int], int, list[uuid.UUID]], list[Event]]
+# A feed woken by a topic of its own chases what that notification announced for this long,
+# re-reading this often, when the first read finds nothing yet (a transaction older than the
+# notifying one still running holds its events behind the horizon for a moment).
+CHASE_FOR_S = 1.0
+CHASE_EVERY_S = 0.025
+
+
+@dataclass(frozen=True)
+class FeedKind:
+    """Which events a feed reads (``read``) and which notifications wake it (``topic``)."""
+
+    read: FeedRead
+    topic: str
+
+
+# The event streams' feed: every event, woken by every notification.
+EVENTS = FeedKind(selectors.event_feed, ANY_TOPIC)
+# The claim watches' feed: the events that name a held claim, woken by those alone (a drain's
+# claims and completions never make it read).
+HELD_CLAIMS = FeedKind(selectors.held_event_feed, HELD_TOPIC)
 
 
 def frame(*, event_id: str | None, event_type: str, data: object) -> bytes:
@@ -219,9 +240,11 @@ class _Stream:
 class EventFeed:
     """The events of the projects streamed, read once per batch of notifications for every stream of a process.
 
-    ``read`` selects which events: every event (``selectors.event_feed``, the event streams')
-    or those naming a held claim (``selectors.held_event_feed``, the claim watches'); a
-    process has one feed per ``read``.
+    ``kind`` says which events and which notifications: every event on every notification
+    (``EVENTS``, the event streams'), or those naming a held claim on the notifications that
+    carry one (``HELD_CLAIMS``, the claim watches'; after such a notification it re-reads
+    every ``CHASE_EVERY_S`` until it finds something, for ``CHASE_FOR_S`` at most); a process
+    has one feed per kind. Either way it re-reads every ``RECHECK_S`` too.
 
     It keeps the last ``feed_buffer()`` events: every event after ``start`` up to ``cursor``
     (both positions), in order. Events at or before a position the feed has read past are
@@ -234,9 +257,9 @@ class EventFeed:
     client resumes with ``Last-Event-ID``, and other streams never wait for it.
     """
 
-    def __init__(self, project_id: uuid.UUID, read: FeedRead) -> None:
+    def __init__(self, project_id: uuid.UUID, kind: FeedKind) -> None:
         self.first_project = project_id
-        self.read = read
+        self.kind = kind
         # The projects read, each from the position the feed had when its first stream came.
         self.projects: dict[uuid.UUID, Position] = {project_id: (0, 0)}
         self.entries: deque[_Entry] = deque()
@@ -248,7 +271,7 @@ class EventFeed:
         self.dropped = 0
         loop = asyncio.get_running_loop()
         self.next: asyncio.Future = loop.create_future()
-        self.subscription = hub.subscribe([ANY_TOPIC])
+        self.subscription = hub.subscribe([kind.topic])
         self.task = loop.create_task(self._run(), name="runstate-event-feed")
 
     def covers(self, position: Position, project_id: uuid.UUID) -> bool:
@@ -286,16 +309,20 @@ class EventFeed:
             except Exception:  # noqa: BLE001 - the database is away: try again
                 logger.warning("the event feed could not read the head; retrying", exc_info=True)
                 await asyncio.sleep(pause)
+        chase_until = 0.0
         while True:
+            woken = False
             if hub.enabled():
-                await self.subscription.wait(pause)
+                woken = await self.subscription.wait(CHASE_EVERY_S if loop.time() < chase_until else pause)
             else:
                 await asyncio.sleep(pause)
+            found = False
             try:
                 while True:
-                    events = await shared_db(self.read, self.cursor, limit, list(self.projects))
+                    events = await shared_db(self.kind.read, self.cursor, limit, list(self.projects))
                     self.reads += 1
                     if events:
+                        found = True
                         self._append(events)
                         future, self.next = self.next, loop.create_future()
                         future.set_result(None)
@@ -303,6 +330,11 @@ class EventFeed:
                         break
             except Exception:  # noqa: BLE001 - the database is away: streams wait, the next wake-up retries
                 logger.warning("the event feed could not read; retrying", exc_info=True)
+            if self.kind.topic != ANY_TOPIC:
+                if found:
+                    chase_until = 0.0
+                elif woken:
+                    chase_until = loop.time() + CHASE_FOR_S
             self._drop_stalled(loop.time())
 
     def _append(self, events: list[Event]) -> None:
@@ -357,13 +389,13 @@ def pieces(frames: list[bytes], size: int = CHUNK_BYTES) -> Iterator[bytes]:
         yield b"".join(piece)
 
 
-# The feeds of each event loop, by their read.
-_feeds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[FeedRead, EventFeed]] = weakref.WeakKeyDictionary()
+# The feeds of each event loop, by their kind.
+_feeds: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[FeedKind, EventFeed]] = weakref.WeakKeyDictionary()
 
 
-def event_feed(read: FeedRead = selectors.event_feed) -> EventFeed | None:
-    """Return the running loop's feed of ``read`` (the event streams' by default), if a stream is open."""
-    return _feeds.get(asyncio.get_running_loop(), {}).get(read)
+def event_feed(kind: FeedKind = EVENTS) -> EventFeed | None:
+    """Return the running loop's feed of ``kind`` (the event streams' by default), if a stream is open."""
+    return _feeds.get(asyncio.get_running_loop(), {}).get(kind)
 
 
 def feeds() -> list[tuple[asyncio.AbstractEventLoop, EventFeed]]:
@@ -371,11 +403,11 @@ def feeds() -> list[tuple[asyncio.AbstractEventLoop, EventFeed]]:
     return [(loop, feed) for loop, by_read in list(_feeds.items()) for feed in list(by_read.values())]
 
 
-def _feed_join(stream: _Stream, project_id: uuid.UUID, read: FeedRead) -> EventFeed:
-    by_read = _feeds.setdefault(asyncio.get_running_loop(), {})
-    feed = by_read.get(read)
+def _feed_join(stream: _Stream, project_id: uuid.UUID, kind: FeedKind) -> EventFeed:
+    by_kind = _feeds.setdefault(asyncio.get_running_loop(), {})
+    feed = by_kind.get(kind)
     if feed is None:
-        feed = by_read[read] = EventFeed(project_id, read)
+        feed = by_kind[kind] = EventFeed(project_id, kind)
     feed.add_project(project_id)
     feed.streams.add(stream)
     return feed
@@ -383,9 +415,9 @@ def _feed_join(stream: _Stream, project_id: uuid.UUID, read: FeedRead) -> EventF
 
 def _feed_leave(feed: EventFeed, stream: _Stream) -> None:
     feed.streams.discard(stream)
-    by_read = _feeds.get(asyncio.get_running_loop(), {})
-    if not feed.streams and by_read.get(feed.read) is feed:
-        del by_read[feed.read]
+    by_kind = _feeds.get(asyncio.get_running_loop(), {})
+    if not feed.streams and by_kind.get(feed.kind) is feed:
+        del by_kind[feed.kind]
         feed.task.cancel()
         hub.unsubscribe(feed.subscription)
 
@@ -397,12 +429,12 @@ async def feed_frames(
     catch_up: ReadAfter,
     matches: Callable[[Event], bool],
     present: Callable[[Event], tuple[str | None, str, object]],
-    read: FeedRead = selectors.event_feed,
+    kind: FeedKind = EVENTS,
     preamble: bytes = b"",
 ) -> AsyncIterator[bytes]:
     """Yield the frames of the events after ``after`` that ``matches`` accepts, forever, from the shared feed.
 
-    ``read`` names the feed (see ``EventFeed``); ``matches`` must accept only events it reads.
+    ``kind`` names the feed (see ``EventFeed``); ``matches`` must accept only events it reads.
     ``preamble`` (frames) is sent first, after the ``retry`` line.
 
     ``catch_up(cursor)`` reads this stream's next events from the database (as
@@ -411,7 +443,7 @@ async def feed_frames(
     per event for every stream. Each wake-up sends what is new in one chunk.
     """
     stream = _Stream(selectors.event_position(after))
-    feed = _feed_join(stream, project_id, read)
+    feed = _feed_join(stream, project_id, kind)
     try:
         with stream.offering():
             yield f"retry: {RECONNECT_MS}\n\n".encode() + preamble

@@ -17,6 +17,10 @@ an event row:
   ``message.received`` and the like take work away or end it, so they never wake a run's
   claimers: a busy run wakes its idle claimers only when there is something to claim.
 
+- ``claims.held`` (``HELD_TOPIC``), for the events that name a held claim (``heldBy``: a
+  cancel, a run or group end, a deadline, a lease that ran out; migration 0020): the claim
+  watches' feed wakes on it alone.
+
 Waiters on ``ANY_TOPIC`` (event-log readers, the SSE feed) wake on every notification.
 
 Each event loop (one per API process) holds one ``LISTEN`` connection, an asyncio task
@@ -57,6 +61,7 @@ logger = logging.getLogger(__name__)
 CHANNEL = "runstate"
 CACHE_CHANNEL = "runstate_cache"  # changed cached rows (migration 0009's triggers)
 ANY_TOPIC = "*"  # woken by every event (event-log readers)
+HELD_TOPIC = "claims.held"  # woken by the events that name a held claim (the claim watches' feed)
 SQLITE_POLL_S = 0.05
 _connections_made = itertools.count(1)  # the epoch of each LISTEN connection, for the cache feed
 

@@ -16,7 +16,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from coordination.models import Event
-from coordination.plumbing.notify import CHANNEL, hub
+from coordination.plumbing.notify import CHANNEL, HELD_TOPIC, hub
 from coordination.services.claims import claim_complete, claim_fail, claim_release, task_claim
 from coordination.services.events import events_record_many
 from coordination.services.mailboxes import mailbox_ensure
@@ -263,3 +263,28 @@ def test_an_idle_claimer_wakes_for_a_submit_not_for_other_tasks_claims_and_compl
     not_woken, woken_by_submit = asyncio.run(scenario())
     assert not_woken, "claims and completions of other tasks woke the run's idle claimer"
     assert woken_by_submit
+
+
+def test_only_events_that_name_a_held_claim_carry_the_held_topic(work):
+    """``claims.held`` wakes the claim watches' feed: a cancel of a held claim sends it, a drain never does."""
+    project, mailbox, run = work
+    first, second = (task_submit(project_id=project.id, mailbox=mailbox, run_id=run.id, input={})[0] for _ in "ab")
+
+    with listening() as listener:
+
+        def topics(change):
+            return topics_of(payloads_of(listener, change))
+
+        def claim():
+            (held,) = task_claim(project_id=project.id, mailbox=mailbox, run_id=run.id, worker_id="w1")
+            return held
+
+        claims = []
+        assert HELD_TOPIC not in topics(lambda: claims.append(claim()))  # task.claimed
+        assert HELD_TOPIC in topics(lambda: task_cancel(project_id=project.id, task_id=claims[0].task.id))
+        # The worker's own complete of the cancelled claim names nobody.
+        completed = topics(lambda: claim_complete(project_id=project.id, claim_id=claims[0].claim_id, outcome=None))
+        assert HELD_TOPIC not in completed
+        assert HELD_TOPIC not in topics(lambda: claims.append(claim()))
+        assert HELD_TOPIC in topics(lambda: run_cancel(run_id=run.id, project_id=project.id))  # the held one ends
+    assert {c.task.id for c in claims} == {first.id, second.id}

@@ -4,7 +4,7 @@ from rest_framework import serializers
 
 from coordination.api.longpoll import in_request, park
 from coordination.api.serializers import EventCursorField
-from coordination.api.sse import BATCH, feed_frames, frame
+from coordination.api.sse import BATCH, HELD_CLAIMS, feed_frames, frame
 from coordination.api.views.stream import StreamView, present, present_bound, stream_after, stream_schema
 from coordination.domain.states import Permission
 from coordination.reads import selectors
@@ -93,6 +93,6 @@ def watch_frames(visibility, worker_id: str, cursor: str):
         catch_up=catch_up,
         matches=matches,
         present=present if bound_path is None else present_bound,
-        read=selectors.held_event_feed,
+        kind=HELD_CLAIMS,
         preamble=ready,
     )
