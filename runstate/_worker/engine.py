@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import traceback
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from time import monotonic
@@ -44,6 +45,10 @@ logger = logging.getLogger("runstate.worker")
 
 # The server's cap on ``max`` of one claim call.
 MAX_CLAIMS_PER_CALL = 100
+
+# Pushed events of claims not started yet (the watch's frame came before the claim call's
+# answer), kept for them; the oldest are dropped past this many.
+EARLY_EVENTS_MAX = 10_000
 
 # Why a pushed event stops a claim, as renewal would say it (``_renewed``): the run refused
 # (cancelled, completed, past its deadline), else the claim is gone.
@@ -120,6 +125,7 @@ class Engine(FetchLoop[ConsumeSummary]):
         self.renew_fraction = renew_fraction
         self.summary = ConsumeSummary()
         self._held: dict[str, _Held] = {}
+        self._early: OrderedDict[str, tuple[str, JsonDict]] = OrderedDict()
         self._ttl_s = 30.0
         self._completer = _Completer(self._tasks)
 
@@ -194,6 +200,9 @@ class Engine(FetchLoop[ConsumeSummary]):
             held.supervisor = asyncio.create_task(self._supervise(held), name=f"runstate-task-{claim.task_id}")
         finally:
             leave(token)
+        early = self._early.pop(claim.id, None)
+        if early is not None:
+            self._stop_pushed(held, *early)
 
     def _lose(self, held: _Held, reason: str) -> None:
         """Mark the claim lost: set the signal and cancel the handler (its result can no longer count)."""
@@ -206,8 +215,18 @@ class Engine(FetchLoop[ConsumeSummary]):
     def _pushed(self, event_type: str, claim_id: str, data: JsonDict) -> None:
         """Apply what the claim watch says of one claim, as its renewal would say it later."""
         held = self._held.get(claim_id)
-        if held is None or held.lost or not held.running():
-            return  # not ours (another loop with the same worker id), or its handler returned already
+        if held is None:
+            # Not started yet (its claim call's answer is still on its way), or not ours (another
+            # loop with the same worker id, or a handler that returned): kept for ``_start``.
+            self._early[claim_id] = (event_type, data)
+            while len(self._early) > EARLY_EVENTS_MAX:
+                self._early.popitem(last=False)
+            return
+        self._stop_pushed(held, event_type, data)
+
+    def _stop_pushed(self, held: _Held, event_type: str, data: JsonDict) -> None:
+        if held.lost or not held.running():
+            return  # its handler returned already
         if event_type == "task.cancellation_requested":
             held.ctx._trip("cancellation_requested")
         else:

@@ -74,6 +74,42 @@ def test_a_task_cancel_reaches_a_running_async_handler_at_once(sdk):
     assert still_running  # the other claim of the same worker was not touched
 
 
+def test_a_cancel_pushed_before_the_claim_call_answers_reaches_the_handler_when_it_starts(sdk):
+    """The watch's frame and the claim's answer travel on two connections: the frame may come first.
+
+    Forced: the claim call's answer is held back until the cancel of the task it claimed was
+    committed and its frame received by the watch; the engine keeps the frame for the claim.
+    """
+    handlers = Handlers()
+
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            await rs.mailboxes.ensure("early", mode="WORK", lease_ttl_ms=LONG_LEASE_MS)
+            run = await rs.scopes.create()
+            ticket = await run.tasks.submit("early", {"n": 0})
+            worker = run.worker("early", handlers.handler, concurrency=1, handle_signals=False)
+            engine = worker._engine
+            claim = engine._tasks.claim
+
+            async def claim_then_cancel(*args, **kwargs):
+                claims = await claim(*args, **kwargs)
+                for held in claims:
+                    await asyncio.to_thread(task_cancel, project_id=sdk.project_id, task_id=held.task_id)
+                    await until(lambda held=held: held.id in engine._early, what="the watch's frame of the cancel")
+                return claims
+
+            engine._tasks.claim = claim_then_cancel
+            running = asyncio.create_task(worker.run())
+            task = await ticket.result(timeout_ms=int(WAIT_S * 1000))
+            worker.stop()
+            await running
+            return task, ticket.id
+
+    task, task_id = asyncio.run(scenario())
+    assert task["state"] == "CANCELLED" and task["outcome"] == {"stopped": "cancellation_requested"}
+    assert handlers.stopped[task_id] == "cancellation_requested"
+
+
 def test_a_run_cancel_reaches_every_busy_slot_of_a_sync_worker(sdk):
     stopped: dict[str, str | None] = {}
     started = threading.Semaphore(0)
