@@ -134,8 +134,10 @@ def _stop_listener_before_dropping_the_database(django_db_setup, django_db_block
     yield
     from coordination.api import sse
     from coordination.plumbing.notify import hub
+    from workers.runtime import renewer
 
     hub.stop()
+    renewer().watcher.stop()  # a Celery handler run in this process started its claim watch
     # An in-process event stream whose client let go without a disconnect (httpx's ASGI
     # transport sends none) leaves its loop's shared feed reading: it would retry, and log
     # every failure, until interpreter exit, long after the database is gone.

@@ -9,8 +9,9 @@ Celery message runs ``execute``:
    message is simply acked; an inactive run refuses with its code;
 2. run the handler with a ``TaskContext`` while the process's renewer (one thread for every
    claim the process holds, one batched statement per tick) renews the lease every third of
-   its TTL and carries a cancellation request (or a lost claim) back as ``ctx.signal``; an
-   async handler's asyncio task is cancelled on the signal;
+   its TTL; the process's claim watch (``workers.watch``, one thread) carries a cancellation
+   request (or a lost claim) back as ``ctx.signal`` as soon as it commits, the renewal later
+   if the watch is down; an async handler's asyncio task is cancelled on the signal;
 3. record the outcome with the claim: a return completes it (``CANCELLED`` when cancellation
    was requested), an exception fails it (back to the queue with a delay while attempts
    remain, which sends a new message after commit), a lost claim or a refused run records
@@ -33,6 +34,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -41,6 +43,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 
 from coordination.domain import exceptions
 from coordination.domain.states import TaskState
+from coordination.models import Event
 from coordination.services.claims import (
     MAX_BATCH,
     Claim,
@@ -54,11 +57,14 @@ from coordination.services.claims import (
 from runstate._tracing import ProcessSpan, in_span, leave, process_span
 from runstate_project.postgresql.base import read_only_server
 from workers.registry import BoundTask
+from workers.watch import READY_TIMEOUT_S, ClaimWatcher
 
 logger = logging.getLogger(__name__)
 
 TRACEBACK_LINES = 30
 EXPLICIT_HEARTBEAT_TIMEOUT_S = 30.0
+# Events the claim watch read for claims not registered yet, kept for them (the oldest dropped past this).
+EARLY_EVENTS_MAX = 10_000
 # The pauses between tries while the database cannot be reached (``_through_outages``).
 RECONNECT_PAUSE_S = 0.25
 RECONNECT_PAUSE_MAX_S = 2.0
@@ -98,7 +104,7 @@ class TaskContext:
         return f"<TaskContext task={self.task_id} attempt={self.attempt}>"
 
     def is_cancellation_requested(self) -> bool:
-        """Whether the task or its run was asked to stop (as of the last heartbeat)."""
+        """Whether the task or its run was asked to stop (as the claim watch or the last renewal said)."""
         return self._cancellation_requested
 
     @property
@@ -118,7 +124,7 @@ class TaskContext:
             return not self.lease_lost
         return renewer().renew_now(self._held)
 
-    # Called by the renewer thread ----------------------------------------------------------
+    # Called by the renewer and claim watch threads ---------------------------------------
 
     def _request_cancellation(self) -> None:
         self._cancellation_requested = True
@@ -143,7 +149,7 @@ class TaskContext:
                 logger.debug("signal callback failed", exc_info=True)
 
     def _on_signal(self, callback) -> None:
-        """Call ``callback`` (from the heartbeat thread) when the signal is set; now if it already is."""
+        """Call ``callback`` (from the renewer or watch thread) when the signal is set; now if it already is."""
         with self._lock:
             if not self.signal.is_set():
                 self._callbacks.append(callback)
@@ -173,7 +179,7 @@ class Held:
 
 
 class Renewer:
-    """One thread per worker process renewing every claim the process holds.
+    """One thread per worker process renewing every claim the process holds, and its claim watch.
 
     Each claim is renewed every third of its lease TTL; whatever is due at a tick (or
     within half its own interval) is renewed together, in one ``claims_renew_many``
@@ -183,6 +189,10 @@ class Renewer:
     claim is renewed only explicitly (``ctx.heartbeat()``). The thread starts on the first
     claim in a process (a forked pool child starts its own); its database connection is
     closed after an error (the next tick reconnects) and while it holds no claim.
+
+    The claim watch (``workers.watch``) tells it at once what a renewal would say later: a
+    delivery calls ``expect`` before it claims (the watch then reads that project's events of
+    that worker, and is started first), and the watch hands the events it reads to ``pushed``.
     """
 
     def __init__(self) -> None:
@@ -195,15 +205,39 @@ class Renewer:
         # With nothing to renew, it still wakes this often (the shortest renewal interval seen),
         # so a claim taken meanwhile, due an interval later, needs no wake-up either.
         self._idle_nap_s = 1.0
+        # What the claim watch reads: every project a delivery expected to claim in, and the
+        # prefixes of their worker ids (``worker_prefix``: one per process, in practice).
+        self._watched: tuple[frozenset[uuid.UUID], frozenset[str]] = (frozenset(), frozenset())
+        # Events the watch read for a claim not registered yet (claimed, ``hold`` not called yet), by claim id.
+        self._early: OrderedDict[str, Event] = OrderedDict()
+        self.watcher = ClaimWatcher(self)
 
     def __len__(self) -> int:
         return len(self._held)
 
+    def expect(self, project_id: uuid.UUID, worker_id: str) -> None:
+        """Have the claim watch follow ``worker_id``'s claims in the project before that worker claims.
+
+        The first time in a process, wait for the watch to start reading (at most
+        ``READY_TIMEOUT_S``): a claim taken before would hear of an earlier cancel only when the
+        watch starts (``watching``).
+        """
+        prefix = worker_prefix(worker_id)
+        projects, prefixes = self._watched
+        if project_id not in projects or prefix not in prefixes:
+            with self._lock:
+                projects, prefixes = self._watched
+                self._watched = (projects | {project_id}, prefixes | {prefix})
+        self.watcher.want()
+        if not self.watcher.ready.is_set():
+            self.watcher.ready.wait(READY_TIMEOUT_S)
+
     def hold(self, ctx: TaskContext, *, project_id: uuid.UUID, lease_ttl_ms: int, renew_ttl_ms: int | None) -> Held:
-        """Renew ``ctx``'s claim from now on, until ``let_go``."""
+        """Renew ``ctx``'s claim from now on, until ``let_go``; apply what the watch read of it already."""
         held = Held(ctx, project_id=project_id, lease_ttl_ms=lease_ttl_ms, renew_ttl_ms=renew_ttl_ms)
         with self._lock:
             self._held[ctx.claim_id] = held
+            early = self._early.pop(ctx.claim_id, None)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="runstate-renewer", daemon=True)
                 self._thread.start()
@@ -211,7 +245,65 @@ class Renewer:
             wake = held.due < self._sleeping_until
         if wake:
             self._wake.set()
+        if early is not None:
+            if early.type != "task.cancellation_requested":
+                self.let_go(held)
+            self._stop(held, early)
         return held
+
+    # The claim watch's side (``workers.watch.Holder``), called from its thread ------------------
+
+    def watched(self) -> tuple[frozenset[uuid.UUID], frozenset[str]]:
+        """Return the projects and the worker ids' prefixes the watch follows."""
+        return self._watched
+
+    def holding(self) -> bool:
+        """Tell whether a claim is held."""
+        return bool(self._held)
+
+    def watching(self) -> None:
+        """Renew every claim held now at once: it may have been stopped before the watch started reading."""
+        with self._lock:
+            for held in self._held.values():
+                held.explicit = True
+        self._wake.set()
+
+    def pushed(self, events: list[Event]) -> None:
+        """Stop the claims the events name, as their renewal would; keep those of claims not registered yet.
+
+        The claims are looked up first, under one hold of the lock, and their signals then
+        tripped in one go: a run cancel trips hundreds, and each handler woken takes the GIL
+        from this thread (so a burst interleaved with them takes hundreds of milliseconds).
+        """
+        stopping: list[tuple[Held, Event]] = []
+        with self._lock:
+            for event in events:
+                claim_id = event.data.get("claimId")
+                held = self._held.get(claim_id)
+                if held is None:
+                    self._early[claim_id] = event
+                    continue
+                if event.type != "task.cancellation_requested":
+                    del self._held[claim_id]
+                stopping.append((held, event))
+            while len(self._early) > EARLY_EVENTS_MAX:
+                self._early.popitem(last=False)
+        for held, event in stopping:
+            self._stop(held, event)
+
+    def _stop(self, held: Held, event: Event) -> None:
+        """Apply one event that stops ``held``: a cancel request trips its signal, anything else ends the claim.
+
+        As renewal says it (``_renew_chunk``): the run's refusal when its subtree ended, else
+        the lease is lost (the task was cancelled, its group decided, its lease ran out). The
+        caller no longer renews an ended claim.
+        """
+        if event.type == "task.cancellation_requested":
+            if not held.ctx.is_cancellation_requested():
+                held.ctx._request_cancellation()
+            return
+        code = exceptions.SUBTREE_END_CODES.get(event.data.get("cause"))
+        held.ctx._lose(code or exceptions.LeaseLost.code, cancelled=code is not None)
 
     def let_go(self, held: Held) -> None:
         """Stop renewing ``held``; a renewal of it in flight finishes first."""
@@ -316,6 +408,16 @@ def _worker_id(request) -> str:
     return f"{hostname}/{os.getpid()}/{threading.current_thread().name}"[:200]
 
 
+def worker_prefix(worker_id: str) -> str:
+    """Return the part of a worker id (``_worker_id``: host, process, thread) that names its process.
+
+    The claim watch reads the events of every worker id starting so: one filter for all the
+    threads of a process, not one per thread.
+    """
+    process, slash, _ = worker_id.rpartition("/")
+    return process + slash if process else worker_id
+
+
 async def _run_async(fn, ctx: TaskContext, kwargs: dict[str, Any]):
     loop = asyncio.get_running_loop()
     handler = asyncio.ensure_future(fn(ctx, **kwargs))
@@ -366,12 +468,14 @@ def execute(bound: BoundTask, task_id: str, request=None) -> str:
     failover) is tried again on a new one, until the database answers (``_through_outages``).
     """
     project_id, mailbox_id = _through_outages(bound.ids)
+    worker_id = _worker_id(request)
+    renewer().expect(project_id, worker_id)  # the claim watch follows this worker's claims from now on
     try:
         claim = _through_outages(
             lambda: task_claim_by_id_narrow(
                 project_id=project_id,
                 task_id=uuid.UUID(str(task_id)),
-                worker_id=_worker_id(request),
+                worker_id=worker_id,
                 lease_ttl_ms=bound.lease_ttl_ms,
                 mailbox_id=mailbox_id,
             )

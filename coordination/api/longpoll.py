@@ -27,13 +27,10 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from coordination.plumbing import metrics
-from coordination.plumbing.notify import SQLITE_POLL_S, hub
+from coordination.plumbing.notify import RECHECK_S, SQLITE_POLL_S, hub
 
 logger = logging.getLogger(__name__)
 
-# Even with NOTIFY, re-read at least this often: a safety net for time-based changes
-# (retry delays, deadlines) that no event announces.
-RECHECK_S = 1.0
 # Threads for the watches' re-reads: each borrows a pooled connection only for its read.
 READ_THREADS = 8
 

@@ -20,9 +20,17 @@ from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.http import StreamingHttpResponse
 
-from coordination.api.longpoll import RECHECK_S, db, shared_db
+from coordination.api.longpoll import db, shared_db
 from coordination.models import Event
-from coordination.plumbing.notify import ANY_TOPIC, HELD_TOPIC, SQLITE_POLL_S, hub
+from coordination.plumbing.notify import (
+    ANY_TOPIC,
+    CHASE_EVERY_S,
+    CHASE_FOR_S,
+    HELD_TOPIC,
+    RECHECK_S,
+    SQLITE_POLL_S,
+    hub,
+)
 from coordination.reads import selectors
 
 # Events read per database round trip; a full batch is followed by the next one at once.
@@ -39,11 +47,6 @@ logger = logging.getLogger(__name__)
 ReadAfter = Callable[[str], tuple[list[Event], str]]
 # A feed's read: the events of some projects after a position, oldest first, at most ``limit``.
 FeedRead = Callable[[tuple[int, int], int, list[uuid.UUID]], list[Event]]
-# A feed woken by a topic of its own chases what that notification announced for this long,
-# re-reading this often, when the first read finds nothing yet (a transaction older than the
-# notifying one still running holds its events behind the horizon for a moment).
-CHASE_FOR_S = 1.0
-CHASE_EVERY_S = 0.025
 
 
 @dataclass(frozen=True)

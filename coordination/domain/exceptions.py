@@ -67,6 +67,15 @@ class DeadlineExceeded(Conflict):
     default_message = "The run (or an ancestor) is past its deadline."
 
 
+# The refusal a run's ended subtree answers, by the cause its events record (``cancel``,
+# ``complete``, a passed deadline: ``services.cascade.SubtreeEnd.cause``).
+SUBTREE_END_CODES = {
+    "run_cancelled": ScopeCancelled.code,
+    "run_completed": ScopeCompleted.code,
+    "run_deadline": DeadlineExceeded.code,
+}
+
+
 class ChildLimitReached(Conflict):
     code = "CHILD_LIMIT_REACHED"
     default_message = "The run has reached its child limit."

@@ -50,7 +50,8 @@ import logging
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -63,6 +64,14 @@ CACHE_CHANNEL = "runstate_cache"  # changed cached rows (migration 0009's trigge
 ANY_TOPIC = "*"  # woken by every event (event-log readers)
 HELD_TOPIC = "claims.held"  # woken by the events that name a held claim (the claim watches' feed)
 SQLITE_POLL_S = 0.05
+# Even with NOTIFY, a reader re-reads at least this often: a safety net for time-based changes
+# (retry delays, deadlines) that no event announces, and for events held behind the horizon.
+RECHECK_S = 1.0
+# A reader woken by a topic of its own (``HELD_TOPIC``) chases what the notification announced
+# for this long, re-reading this often, when its first read finds nothing yet: a transaction
+# older than the notifying one, still running, holds the events behind the horizon a moment.
+CHASE_FOR_S = 1.0
+CHASE_EVERY_S = 0.025
 _connections_made = itertools.count(1)  # the epoch of each LISTEN connection, for the cache feed
 
 
@@ -192,6 +201,20 @@ def listen_params() -> dict:
         if listen.get("PORT"):
             params["port"] = listen["PORT"]
     return params
+
+
+@contextmanager
+def listening() -> Iterator:
+    """Yield a psycopg connection of its own (``listen_params``) LISTENing on ``CHANNEL``, closed on exit.
+
+    For a thread outside any event loop that reads the notifications itself, with
+    ``notifies()``: a Celery worker process's claim watch (``workers/watch.py``).
+    """
+    import psycopg
+
+    with psycopg.connect(**listen_params(), autocommit=True) as conn:
+        conn.execute(f"LISTEN {CHANNEL}")
+        yield conn
 
 
 class NotificationHub:

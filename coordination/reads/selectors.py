@@ -412,12 +412,53 @@ def event_feed(after: tuple[int, int], limit: int, project_ids: Iterable[uuid.UU
 # ``event_held_by``: a drain's other events cost them nothing.
 
 
-def held_event_feed(after: tuple[int, int], limit: int, project_ids: Iterable[uuid.UUID]) -> list[Event]:
-    """Return ``event_feed``'s events that name a held claim (``heldBy``), for every claim watch of a process."""
-    txid, event_id = after
-    queryset = _below_event_horizon(Event.objects.filter(project_id__in=list(project_ids), data__has_key="heldBy"))
-    queryset = queryset.filter(Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id))
+def held_event_feed(
+    after: tuple[int, int],
+    limit: int,
+    project_ids: Iterable[uuid.UUID],
+    held_by_prefixes: Iterable[str] | None = None,
+    horizon: int | None = None,
+) -> list[Event]:
+    """Return ``event_feed``'s events that name a held claim (``heldBy``), for every claim watch of a process.
+
+    ``held_by_prefixes``: only those of claims held by workers whose ids start so (a Celery
+    worker process's watch: its ids share one prefix); ``horizon``: one read beforehand
+    (``event_horizon``), below which every event is then read.
+    """
+    queryset = _held_events_after(after, project_ids, horizon)
+    if held_by_prefixes is not None:
+        held_by = Q()
+        for prefix in held_by_prefixes:
+            held_by |= Q(data__heldBy__startswith=prefix)
+        queryset = queryset.filter(held_by)
     return list(queryset.order_by("txid", "id")[:limit])
+
+
+def held_event_after(after: tuple[int, int], project_ids: Iterable[uuid.UUID], horizon: int | None) -> bool:
+    """Tell whether any event naming a held claim, whoever held it, lies after ``after`` below ``horizon``."""
+    return _held_events_after(after, project_ids, horizon).exists()
+
+
+def _held_events_after(after: tuple[int, int], project_ids: Iterable[uuid.UUID], horizon: int | None) -> QuerySet:
+    txid, event_id = after
+    queryset = Event.objects.filter(project_id__in=list(project_ids), data__has_key="heldBy")
+    queryset = _below_event_horizon(queryset, horizon)
+    return queryset.filter(Q(txid__gt=txid) | Q(txid=txid, id__gt=event_id))
+
+
+def held_event_start(horizon: int | None = None) -> tuple[int, int]:
+    """Return a position every event committed from now on comes after: where a new claim watch starts.
+
+    On PostgreSQL just below the event horizon (``horizon``, one read beforehand, else read
+    now; a transaction still running writes at or above it); it may also come before a few
+    events already committed, which a watch reads once. On SQLite, the last event's.
+    """
+    if horizon is None:
+        horizon = event_horizon()
+    if horizon is not None:
+        return (horizon - 1, _BIGINT_MAX)
+    last = Event.objects.order_by("-id").values_list("id", flat=True).first()
+    return (0, last or 0)
 
 
 def held_event_list(visibility: Visibility, *, worker_id: str, after: str, limit: int) -> tuple[list[Event], str]:

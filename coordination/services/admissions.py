@@ -29,12 +29,6 @@ from coordination.services.runs import run_create
 MAX_ACTIVE = 1_000_000
 MAX_KEY_LENGTH = 200
 
-# The refusal a waiter of an ended subtree answers, by ``SubtreeEnd.cause``.
-_END_CODES = {
-    "run_cancelled": exceptions.ScopeCancelled.code,
-    "run_completed": exceptions.ScopeCompleted.code,
-    "run_deadline": exceptions.DeadlineExceeded.code,
-}
 _CODE_ERRORS = {
     cls.code: cls
     for cls in (
@@ -348,7 +342,7 @@ def admissions_end_subtree(end: SubtreeEnd) -> None:
     )
     if not configs:
         return
-    code = _END_CODES[end.cause]
+    code = exceptions.SUBTREE_END_CODES[end.cause]
     events: list[Event] = []
     for config in configs:
         # The config row is locked (and its parent is ending under our lock), so the line

@@ -114,3 +114,9 @@ def step(ctx, log: str, seconds: float):
 @runstate_task(mailbox="celery-live-drafts", project=PROJECT, lease_ttl=1.5)
 def draft(ctx, log: str, seconds: float):
     return _work_until_stopped(ctx, log, seconds)
+
+
+# Renewed every 200 s: a handler told of a cancel within a test was told by the claim watch.
+@runstate_task(mailbox="celery-live-push", project=PROJECT, lease_ttl=600, max_attempts=1)
+def long_lease(ctx, log: str, seconds: float):
+    return _work_until_stopped(ctx, log, seconds)

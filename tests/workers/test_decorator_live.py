@@ -240,6 +240,26 @@ def test_cooperative_cancel_of_running_decorated_tasks(cluster, run, log, tmp_pa
         assert ends.count() == 1, task_id
 
 
+def test_a_cancel_reaches_handlers_in_forked_pool_processes_long_before_their_renewal(cluster, run, log):
+    """A ten-minute lease (renewed every 200 s): each prefork child's claim watch tells its handler."""
+    cluster.worker(concurrency=3, pool="prefork")
+    tasks = [ct.long_lease.submit(run.id, {"log": log, "seconds": 600}) for _ in range(3)]
+    ids = {str(task.id) for task in tasks}
+    wait_until(lambda: ids <= set(started(log)) and count(run, "RUNNING") == 3, what="three handlers to run")
+
+    api = make_client(Project.objects.get(id=ct.long_lease.project_id))
+    response = api.post(f"/v1/tasks/{tasks[0].id}/cancel", {"reason": "one"}, format="json")
+    assert response.status_code == 200, response.content
+    wait_until(lambda: Task.objects.get(id=tasks[0].id).state == "CANCELLED", what="the cancelled handler's record")
+    run_cancel(project_id=run.project_id, run_id=run.id, reason="the rest")
+    wait_until(lambda: len(started(log, "stopped")) == 3, what="every handler to hear its cancel")
+
+    assert started(log, "stopped")[str(tasks[0].id)][3] == "None"  # asked to stop: it returned, CANCELLED
+    assert {started(log, "stopped")[str(task.id)][3] for task in tasks[1:]} == {"SCOPE_CANCELLED"}
+    assert not started(log, "finished")
+    assert set(states(run).values()) == {"CANCELLED"}
+
+
 def test_a_soft_time_limit_is_a_failure_and_an_exception_retries_after_a_delay(cluster, run, log):
     cluster.worker(concurrency=2, pool="prefork")
     overrun = ct.overrun.submit(run.id, {"log": log})

@@ -10,17 +10,16 @@ import threading
 import time
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from coordination.domain.states import TaskState
 from coordination.models import Task
 from coordination.services.runs import run_create
 from coordination.services.tasks import task_cancel
-from tests.concurrency.util import run_in_threads
 from tests.waiting import wait_until
+from tests.workers.holding import hold_until_released, running_handlers
 from workers import runstate_task
-from workers.runtime import execute, renewer
+from workers.runtime import renewer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,35 +33,15 @@ release = threading.Event()
 @runstate_task(mailbox="renewer-holds", project=PROJECT, lease_ttl=LEASE_TTL_S, queue="tests-renewer")
 def hold(ctx, i: int):
     """Hold the claim until the test releases it or the signal says stop."""
-    # Give the connection back while waiting (to the test settings' pool, which has fewer
-    # than 50); a worker's thread keeps its own, as ``runstate_project.celery`` sets up.
-    connection.close()
-    contexts[ctx.task_id] = ctx
-    while not release.is_set() and not ctx.signal.is_set():
-        release.wait(0.05)
+    hold_until_released(ctx, contexts, release)
     return {"i": i}
 
 
 @pytest.fixture
 def handlers():
     """Start one handler thread per task (``start(tasks)``); release and join them at the end."""
-    hold.forget_ids()
-    contexts.clear()
-    release.clear()
-    outcome: dict = {}
-
-    def start(tasks):
-        targets = [lambda task=task: execute(hold, str(task.id)) for task in tasks]
-        runner = threading.Thread(target=lambda: outcome.update(results=run_in_threads(targets)), daemon=True)
-        runner.start()
-        outcome["runner"] = runner
-        wait_until(lambda: len(contexts) >= len(tasks), what=f"{len(tasks)} handlers to start", interval_s=0.02)
-        return outcome
-
-    yield start
-    release.set()
-    if "runner" in outcome:
-        outcome["runner"].join(120)
+    with running_handlers(hold, contexts, release) as start:
+        yield start
 
 
 def leases(tasks) -> dict:

@@ -7,12 +7,12 @@ from rest_framework.response import Response
 
 from coordination.api import limit_shapes as ls
 from coordination.api import serializers as s
-from coordination.api.longpoll import RECHECK_S, db, in_request
+from coordination.api.longpoll import db, in_request
 from coordination.api.views.base import ApiView, AsyncApiView, with_errors
 from coordination.domain import exceptions
 from coordination.domain.states import Permission
 from coordination.plumbing import tracing
-from coordination.plumbing.notify import hub
+from coordination.plumbing.notify import RECHECK_S, hub
 from coordination.reads import selectors
 from coordination.services import quotas as quota_services
 
