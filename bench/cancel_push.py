@@ -2,8 +2,11 @@
 
 On PostgreSQL, with the mailbox's default lease (30 s: a renewal every 10 s): ``--handlers``
 (1,000) handlers running across ``--processes`` (4) worker processes of the Python SDK's
-``consume`` and, with ``--typescript``, of the TypeScript SDK's, each handler waiting on its
-signal. Per round, ``--single`` (50) tasks are cancelled one by one (``POST /v1/tasks/{id}/
+``consume`` and, with ``--typescript``, of the TypeScript SDK's and, with ``--celery``, of
+Celery workers running ``@runstate_task`` handlers (``bench/cancel_push_celery.py``; the threads
+pool, a thread per handler, behind PgBouncer in transaction mode as docs/deploy.md advises for
+so many connections, the claim watch's LISTEN straight to PostgreSQL), each handler waiting
+on its signal. Per round, ``--single`` (50) tasks are cancelled one by one (``POST /v1/tasks/{id}/
 cancel``), then one run cancel covers every handler left. A handler's latency is from its
 cancel's commit, taken as the arrival of the cancel's answer (sent once the transaction
 committed; a signal that trips before it counts 0), to its signal tripping, both read from this
@@ -14,20 +17,25 @@ refusal answered to its next claim call stops every handler of the loop, as fast
 Rounds: ``--rounds`` (5) per language; one per language with the API process restarted while
 the cancels are issued (through the services, the server down: every handler must still hear
 its cancel once the watch reconnects; its latencies include the restart and are left out of
-the p99); one of the Python workers with the watch turned off, the renewal-only figure.
+the p99; for Celery, whose watch reads the database itself, its LISTEN connections are
+terminated instead, just before the cancels); one of the Python workers, and one of the
+Celery workers, with the watch turned off: the renewal-only figures.
 
 ``push_cancel_missed`` counts the handlers, over every round with the watch on, that renewal
 told or that nothing told within ``--timeout-s``. ``--json PATH`` writes ``push_cancel_p99_ms``
 (``python``, ``typescript``, ``celery``: null for a language not measured),
 ``push_cancel_missed``, ``handlers``; per language ``renewal_only_p99_ms``,
 ``single_cancel_p99_ms``, ``run_cancel_p99_ms`` and ``from_request_p99_ms``; ``rounds``.
-Run: ``.venv/bin/python -m bench.cancel_push [--typescript]``.
+Run: ``.venv/bin/python -m bench.cancel_push [--typescript] [--celery]`` (``--celery`` needs
+PgBouncer, ``scripts/ensure_pgbouncer.sh``, and Redis at ``CELERY_BROKER_URL``, by default
+``redis://127.0.0.1:6379/13``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -37,6 +45,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.harness.celery_worker import celery_worker_command
 from bench.harness.env import ROOT, bench_environment, setup_django
 from bench.harness.fixtures import http_fixture
 from bench.harness.report import write_json
@@ -44,6 +53,7 @@ from bench.harness.servers import UvicornServer
 from bench.harness.threads import percentile
 
 MAILBOX = "bench-push"
+CELERY_BROKER_URL = "redis://127.0.0.1:6379/13"
 TS_WORKER = ROOT / "bench" / "cancel_push_worker.mjs"
 TS_DIST = ROOT / "sdk" / "typescript" / "dist" / "src" / "index.js"
 
@@ -120,16 +130,38 @@ class Workers:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
+
+
+# The Celery workers' environment: their broker, their project, PgBouncer (set by ``main``).
+CELERY_ENV: dict[str, str] = {}
+
+
+def celery_command(index: int, concurrency: int) -> list[str]:
+    """A Celery worker running ``bench.cancel_push_celery`` with a thread per handler."""
+    from bench.cancel_push_celery import QUEUE
+
+    return celery_worker_command(
+        pool="threads",
+        concurrency=concurrency,
+        include="bench.cancel_push_celery",
+        queue=QUEUE,
+        hostname=f"push{index}@%h",
+    )
 
 
 def start_workers(language: str, url: str, key: str, run_id: str, handlers: int, processes: int, renewal_only: bool):
     env = bench_environment() | {"PYTHONUNBUFFERED": "1"}
+    if language == "celery":
+        env |= CELERY_ENV | ({"BENCH_PUSH_RENEWAL_ONLY": "1"} if renewal_only else {})
     workers = Workers()
     for index in range(processes):
         share = handlers // processes + (1 if index < handlers % processes else 0)
         if language == "python":
             command = [sys.executable, "-m", "bench.cancel_push", "--worker", url, key, run_id, str(share)]
             command += ["--renewal-only"] if renewal_only else []
+        elif language == "celery":
+            command = celery_command(index, share)
         else:
             command = ["node", str(TS_WORKER), url, key, run_id, str(share), MAILBOX]
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -166,16 +198,21 @@ def one_round(server: UvicornServer, key: str, language: str, kind: str, args) -
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=f"{server.url}/v1", headers=headers, timeout=60) as http:
         run_id = http.post("/runs", json={"name": f"push {language} {kind}"}).raise_for_status().json()["id"]
-        tickets = []
-        for start in range(0, args.handlers, 1000):
-            items = [{"input": {"n": n}} for n in range(start, min(args.handlers, start + 1000))]
-            answer = http.post(f"/mailboxes/{MAILBOX}/tasks/batch", json={"runId": run_id, "tasks": items})
-            tickets += [task["id"] for task in answer.raise_for_status().json()["tasks"]]
+        if language == "celery":
+            tickets = submit_celery(run_id, args.handlers)
+        else:
+            tickets = []
+            for start in range(0, args.handlers, 1000):
+                items = [{"input": {"n": n}} for n in range(start, min(args.handlers, start + 1000))]
+                answer = http.post(f"/mailboxes/{MAILBOX}/tasks/batch", json={"runId": run_id, "tasks": items})
+                tickets += [task["id"] for task in answer.raise_for_status().json()["tasks"]]
         workers = start_workers(language, server.url, key, run_id, args.handlers, args.processes, kind == "renewal")
         try:
             if not wait_for(lambda: len(workers.started) >= args.handlers, 120):
                 raise RuntimeError(f"only {len(workers.started)} of {args.handlers} handlers started")
-            if kind == "restart":
+            if kind == "restart" and language == "celery":
+                cut_celery_listeners()
+            elif kind == "restart":
                 return restart_round(server, run_id, tickets, workers, language, args)
             sent: dict[str, tuple[float, float]] = {}
             for task_id in tickets[: args.single]:
@@ -187,6 +224,33 @@ def one_round(server: UvicornServer, key: str, language: str, kind: str, args) -
         finally:
             workers.stop()
     return measured(language, kind, tickets, sent, workers, args.single)
+
+
+def submit_celery(run_id: str, handlers: int) -> list[str]:
+    """Submit the decorated handler's tasks (their Celery messages follow each commit); return their ids."""
+    from bench.cancel_push_celery import hold
+
+    tickets: list[str] = []
+    for start in range(0, handlers, 1000):
+        tasks = hold.submit_many(uuid.UUID(run_id), [{"n": n} for n in range(start, min(handlers, start + 1000))])
+        tickets += [str(task.id) for task in tasks]
+    return tickets
+
+
+def cut_celery_listeners() -> None:
+    """Terminate the Celery workers' LISTEN connections (as a database restart would): their watches reconnect."""
+    from django.db import connection
+
+    from bench.pooler import LISTEN_APP_NAME
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s",
+            [LISTEN_APP_NAME],
+        )
+        (cut,) = cursor.fetchone()
+    if not cut:
+        raise RuntimeError("no Celery worker's LISTEN connection to cut")
 
 
 def restart_round(server: UvicornServer, run_id: str, tickets: list[str], workers: Workers, language: str, args):
@@ -287,6 +351,23 @@ def report(rounds: list[Round]) -> None:
         )
 
 
+def celery_setup(stack: contextlib.ExitStack) -> str:
+    """Start PgBouncer for the Celery workers, empty their queue, ensure their project; return its API key."""
+    import redis
+
+    from bench.pooler import BenchPgBouncer
+    from coordination.services.keys import ALL_PERMISSIONS, api_key_create
+
+    bouncer = stack.enter_context(BenchPgBouncer(os.environ["DATABASE_URL"], pool_size=20))
+    broker = os.environ["CELERY_BROKER_URL"]
+    redis.Redis.from_url(broker).flushdb()
+    from bench.cancel_push_celery import PROJECT, hold
+
+    CELERY_ENV.update(bouncer.server_env() | {"CELERY_BROKER_URL": broker, "BENCH_PUSH_PROJECT": PROJECT})
+    issued = api_key_create(project_id=hold.project_id, permissions=list(ALL_PERMISSIONS), name="bench celery")
+    return issued.plaintext
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--handlers", type=int, default=1000)
@@ -294,6 +375,7 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=50, help="tasks cancelled one by one per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--typescript", action="store_true", help="also the TypeScript SDK (built in sdk/typescript)")
+    parser.add_argument("--celery", action="store_true", help="also Celery workers (@runstate_task), behind PgBouncer")
     parser.add_argument("--no-renewal", action="store_true", help="skip the renewal-only round")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="how long a round waits for every trip")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
@@ -306,19 +388,26 @@ def main() -> None:
         return
     if args.typescript and not TS_DIST.exists():
         sys.exit(f"--typescript needs the built SDK ({TS_DIST}): cd sdk/typescript && npm ci && npm run build")
+    if args.celery:
+        os.environ.setdefault("CELERY_BROKER_URL", CELERY_BROKER_URL)
     setup_django()
     from coordination.services.mailboxes import mailbox_ensure
 
     project, key = http_fixture("cancel-push")
     mailbox_ensure(project_id=project.id, name=MAILBOX, mode="WORK")  # the default lease: 30 s
-    plan = [(language, "push") for language in ("python", "typescript") if language == "python" or args.typescript]
-    plan = [step for step in plan for _ in range(args.rounds)]
-    plan += [(language, "restart") for language in ("python", "typescript") if language == "python" or args.typescript]
-    plan += [] if args.no_renewal else [("python", "renewal")]
+    keys = {"python": key, "typescript": key}
+    languages = ["python"] + (["typescript"] if args.typescript else []) + (["celery"] if args.celery else [])
+    plan = [(language, "push") for language in languages for _ in range(args.rounds)]
+    plan += [(language, "restart") for language in languages]
+    renewal_only = [language for language in ("python", "celery") if language in languages]
+    plan += [] if args.no_renewal else [(language, "renewal") for language in renewal_only]
     rounds: list[Round] = []
-    with UvicornServer(name="bench-cancel-push") as server:
+    with contextlib.ExitStack() as stack:
+        if args.celery:
+            keys["celery"] = celery_setup(stack)
+        server = stack.enter_context(UvicornServer(name="bench-cancel-push"))
         for language, kind in plan:
-            rounds.append(one_round(server, key, language, kind, args))
+            rounds.append(one_round(server, keys[language], language, kind, args))
             report(rounds[-1:])
     figures = json_figures(rounds, args.handlers)
     print(figures)

@@ -17,6 +17,7 @@ import redis
 from bench import celery as package
 from bench.celery.figures import CPU_HEADER, TABLE_HEADER, json_figures
 from bench.celery.tasks import COUNTER, QUEUE, noop, plain_noop
+from bench.harness.celery_worker import celery_worker_command
 from bench.harness.env import RECORD_PATH, ROOT, ensure_database, git_revision
 from bench.harness.meters import PolledCpuMeter, wait_for_quiet
 from bench.harness.report import write_json
@@ -26,22 +27,7 @@ _worker: subprocess.Popen | None = None
 
 
 def start_worker(processes: int, log_path: Path) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "runstate_project",
-        "worker",
-        "--pool=prefork",
-        f"--concurrency={processes}",
-        "--include=bench.celery.tasks",
-        f"--queues={QUEUE}",
-        "--loglevel=WARNING",
-        "--without-gossip",
-        "--without-mingle",
-        "--without-heartbeat",
-    ]
+    command = celery_worker_command(pool="prefork", concurrency=processes, include="bench.celery.tasks", queue=QUEUE)
     global _worker
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it until it exits
     _worker = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
