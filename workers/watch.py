@@ -211,8 +211,8 @@ class ClaimWatcher:
             self.reads += 1
             if events:
                 found = True
+                self._holder.pushed(events)  # before the cursor moves: a cursor past an event means it was handed over
                 self.cursor = (events[-1].txid, events[-1].id)
-                self._holder.pushed(events)
             if len(events) < BATCH:
                 self.cursor = max(self.cursor, read_to)
                 return found
