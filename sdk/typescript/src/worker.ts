@@ -49,6 +49,12 @@ const MAX_CLAIMS_PER_CALL = 100;
 // completed, past its deadline), else the claim is gone.
 const SCOPE_CAUSES = new Set(['run_cancelled', 'run_completed', 'run_deadline']);
 
+// Pushed events of claims not started yet (the watch's frame came before the claim call's
+// answer), kept for them; the oldest are dropped past this many.
+const EARLY_EVENTS_MAX = 10_000;
+
+type Pushed = { type: string; data: Record<string, unknown> };
+
 /** What a handler gets: the claimed task, and whether (and why) it should stop. */
 export class TaskContext<I = unknown> extends HandlerContext {
   /** The task's input (parsed by the task's `schema`, when it has one). */
@@ -162,6 +168,7 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
   private batchComplete = true;
   private pendingCompletes: { claim: Claim; outcome: unknown; settle: (result: ClaimResult) => void }[] = [];
   private readonly watch: ClaimWatch;
+  private readonly early = new Map<string, Pushed>();
 
   constructor(
     http: Http,
@@ -197,7 +204,18 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
   /** Apply what the claim watch says of one claim, as its renewal would say it later. */
   private pushed(type: string, claimId: string, data: Record<string, unknown>): void {
     const held = this.held.get(claimId);
-    if (held === undefined || held.lost || held.recording || held.abandoned) return;
+    if (held === undefined) {
+      // Not started yet (its claim call's answer is still on its way), or not ours (another
+      // loop with the same worker id, or a handler that returned): kept for `start`.
+      this.early.set(claimId, { type, data });
+      if (this.early.size > EARLY_EVENTS_MAX) this.early.delete(this.early.keys().next().value as string);
+      return;
+    }
+    this.stopPushed(held, { type, data });
+  }
+
+  private stopPushed(held: Held, { type, data }: Pushed): void {
+    if (held.lost || held.recording || held.abandoned) return;
     if (type === 'task.cancellation_requested') held.context.trip('cancellation_requested');
     else this.lose(held, SCOPE_CAUSES.has(String(data.cause)) ? 'scope_refused' : 'lease_lost');
   }
@@ -255,6 +273,11 @@ export class Worker extends FetchLoop<Claim, Held, ConsumeSummary> {
     this.held.set(claim.id, held);
     if (claim.cancellationRequested) context.trip('cancellation_requested');
     held.done = this.supervise(held, definition, invalid);
+    const early = this.early.get(claim.id);
+    if (early !== undefined) {
+      this.early.delete(claim.id);
+      this.stopPushed(held, early);
+    }
   }
 
   private async supervise(held: Held, definition: TaskDefinition<unknown> | null, invalid: unknown): Promise<void> {

@@ -53,6 +53,52 @@ describe('a cancel pushed to running handlers', { concurrency: true, timeout: 18
     assert.equal(otherAborted, false);
   });
 
+  test('a cancel pushed before the claim call answers aborts the handler when it starts', async () => {
+    // The watch's frame and the claim's answer come on two connections: the frame may come first.
+    // Forced: the claim's answer is held back until the watch has the frame of its task's cancel.
+    const rs = new Runstate();
+    const mailbox = unique('early');
+    await rs.mailboxes.ensure(mailbox, { mode: 'WORK', leaseTtlMs: LONG_LEASE_MS });
+    const run = await rs.scopes.create();
+    const ticket = await run.tasks.submit(mailbox, { n: 0 });
+    let stopReason: string | null = null;
+    const worker = run.worker(
+      mailbox,
+      async (context: TaskContext) => {
+        await new Promise((resolve) => {
+          if (context.signal.aborted) resolve(undefined);
+          context.signal.addEventListener('abort', resolve, { once: true });
+        });
+        stopReason = context.stopReason;
+        return { stopped: context.stopReason };
+      },
+      { concurrency: 1, handleSignals: false, drainTimeoutMs: 100 },
+    );
+    type Claimed = { id: string; taskId: string };
+    const internals = worker as unknown as {
+      tasks: { claim: (...args: unknown[]) => Promise<Claimed[]> };
+      early: Map<string, unknown>;
+    };
+    const claim = internals.tasks.claim.bind(internals.tasks);
+    internals.tasks.claim = async (...args: unknown[]) => {
+      const claims = await claim(...args);
+      for (const claimed of claims) {
+        assert.equal(claimed.taskId, ticket.id);
+        await ticket.cancel({ reason: 'before the handler ran' });
+        await until(() => internals.early.has(claimed.id), "the watch's frame of the cancel", WAIT_MS);
+      }
+      return claims;
+    };
+    const running = worker.run();
+    const task = await ticket.result({ timeoutMs: WAIT_MS });
+    worker.stop();
+    await running;
+
+    assert.equal(task.state, 'CANCELLED');
+    assert.deepEqual(task.outcome, { stopped: 'cancellation_requested' });
+    assert.equal(stopReason, 'cancellation_requested');
+  });
+
   test('a run cancel aborts every busy slot (more than one claim call takes) and ends consume', async () => {
     // 120 slots: the server hands out 100 claims a call at most, so the worker fills them in two.
     const { rs, run, contexts, running } = await busyWorker(120);
