@@ -172,15 +172,22 @@ class ClaimWatcher:
 
     @staticmethod
     def _notified(listener, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for notifications; return whether one announces an event naming a held claim.
+        """Wait up to ``timeout_s`` for a notification of an event naming a held claim; tell whether one came.
 
-        Every notification already arrived is taken too, so one read answers a burst of them.
+        The others (a drain's claims and completions notify too) are passed over without a
+        read; once one comes, every notification already arrived is taken too, so one read
+        answers a burst of them.
         """
+        deadline = time.monotonic() + timeout_s
         woken = False
-        for notification in listener.notifies(timeout=timeout_s, stop_after=1):
-            woken = woken or HELD_TOPIC in notification.payload.split()
-        for notification in listener.notifies(timeout=0):
-            woken = woken or HELD_TOPIC in notification.payload.split()
+        # Each ``notifies()`` runs to its end: it holds the connection's lock while suspended,
+        # and drops the rest of a packet when closed early.
+        while not woken and (remaining := deadline - time.monotonic()) > 0:
+            for notification in listener.notifies(timeout=remaining, stop_after=1):
+                woken = woken or HELD_TOPIC in notification.payload.split()
+        if woken:
+            for _ in listener.notifies(timeout=0):
+                pass  # the rest of a burst: the read to come answers it too
         return woken
 
     def _poll(self) -> None:
