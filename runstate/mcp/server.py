@@ -17,9 +17,11 @@ from time import monotonic
 from typing import Annotated, Any, Literal
 
 import anyio
-from mcp.server.context import ServerRequestContext
+from mcp.server.context import CallNext, ServerRequestContext
 from mcp.server.mcpserver import Context, MCPServer
-from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from mcp.shared.dispatcher import coerce_request_id
+from mcp.shared.jsonrpc_dispatcher import cancelled_request_id_from_params
+from mcp_types import CallToolResult, RequestId, TextContent, ToolAnnotations
 from pydantic import Field
 
 from runstate._async.client import AsyncRunstate
@@ -97,6 +99,11 @@ def session_of(request: ServerRequestContext[Any, Any], config: ServerConfig) ->
     return session
 
 
+def _request_key(request_id: RequestId | None) -> int | str | None:
+    """Return the request id as the dispatcher correlates it ("7" and 7 are one id)."""
+    return None if request_id is None else coerce_request_id(request_id)
+
+
 def _result(body: JsonDict, *, error: bool = False) -> CallToolResult:
     text = json.dumps(body, default=str)
     return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=body, is_error=error)
@@ -137,13 +144,19 @@ def build_server(config: ServerConfig) -> MCPServer:
             session = session_of(ctx.request_context, config)
         except RunstateError as error:
             return _result(refusal_body(error), error=True)
+        request_id = _request_key(ctx.request_context.request_id)
+        if request_id is not None:
+            session.answering(request_id)
         try:
-            return await _answer(ctx, session, do, fresh, wait_ms)
+            result = await _answer(ctx, session, do, fresh, wait_ms)
         except anyio.get_cancelled_exc_class():
             if undo is not None:
                 with anyio.CancelScope(shield=True):
                     await undo(session)
             raise
+        if undo is not None and request_id is not None:  # its cancel may cross the answer: see late_cancel
+            session.answered_call(request_id, undo)
+        return result
 
     async def _answer(
         ctx: Context, session: Session, do: Doer, fresh: Callable[[], frozenset[str]] | None, wait_ms: int | None
@@ -170,6 +183,26 @@ def build_server(config: ServerConfig) -> MCPServer:
                 pass  # the background renewer keeps trying; the answer says what is known
             body["cancellation"] = session.cancellation()
         return _result(body, error=failed)
+
+    async def late_cancel(ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> Any:
+        """Hand back what a call took when its ``notifications/cancelled`` arrives after its answer.
+
+        The client sent the cancel before the answer reached it, so it drops the answer (as the
+        protocol says it should): without this, claims the answer named would be held by nobody
+        until their lease ran out. The dispatcher applies a cancel only to calls still running;
+        one that crossed its answer reaches this middleware with the call already answered.
+        """
+        outcome = await call_next(ctx)
+        if ctx.request_id is None and ctx.method == "notifications/cancelled":
+            request_id = _request_key(cancelled_request_id_from_params(ctx.params))
+            session: Session | None = ctx.session._connection.state.get(SESSION_STATE_KEY)
+            if session is not None and request_id is not None:
+                with anyio.CancelScope(shield=True):
+                    if await session.cancelled_after_answer(request_id):
+                        logger.info("call %s was cancelled after its answer: what it took is handed back", request_id)
+        return outcome
+
+    server.middleware.append(late_cancel)
 
     def tool(name: str, annotations: ToolAnnotations, title: str) -> Callable[[Any], Any]:
         return server.tool(name=name, title=title, annotations=annotations)

@@ -37,6 +37,11 @@ EVENT_PAGE = 1000
 CLAIM_LOG_REFRESH_S = 30.0
 LATE_CLAIM_GRACE_S = 10.0
 WORKER_ID_MAX = 200  # the API's limit on a claim's workerId
+# A call answered while its ``notifications/cancelled`` was on its way: the client drops the
+# answer, so what the call took is handed back when the late cancel arrives. How long after its
+# answer a call is still remembered for that, and how many calls a session remembers at most.
+LATE_CANCEL_S = 60.0
+LATE_CANCEL_MAX = 1000
 
 
 @dataclass
@@ -158,6 +163,8 @@ class Session:
     claim_calls: int = 0
     claim_logs: dict[str, ClaimLog] = field(default_factory=dict)
     background: "set[asyncio.Task[None]]" = field(default_factory=set)
+    # What each recently answered call took, by request id: (answered at, how to hand it back).
+    answered: "dict[int | str, tuple[float, Callable[[Session], Awaitable[None]]]]" = field(default_factory=dict)
 
     def holds_anything(self) -> bool:
         """Whether the session holds claims, pool leases or deliveries (its answers then carry ``cancellation``)."""
@@ -392,6 +399,27 @@ class Session:
             except RunstateError as error:  # the server is away: try again while the grace lasts
                 logger.warning("late claims of %s not looked for (%s); retrying", call.worker_id, error)
                 await asyncio.sleep(min(1.0, left_ms / 1000))
+
+    def answering(self, request_id: int | str) -> None:
+        """Forget an earlier call with the same id: a late cancel names the call running now."""
+        self.answered.pop(request_id, None)
+
+    def answered_call(self, request_id: int | str, undo: "Callable[[Session], Awaitable[None]]") -> None:
+        """Remember how to hand back what an answered call took, for a cancel that crossed its answer."""
+        now = monotonic()
+        for old, (at, _) in list(self.answered.items()):  # oldest first: stop at the first one still kept
+            if now - at < LATE_CANCEL_S and len(self.answered) < LATE_CANCEL_MAX:
+                break
+            del self.answered[old]
+        self.answered[request_id] = (now, undo)
+
+    async def cancelled_after_answer(self, request_id: int | str) -> bool:
+        """Hand back what an answered call took, its cancel having crossed the answer; whether it was known."""
+        entry = self.answered.pop(request_id, None)
+        if entry is None:
+            return False
+        await entry[1](self)
+        return True
 
     async def close(self) -> None:
         """Stop renewing everything (the session ended) and close the client; record nothing."""

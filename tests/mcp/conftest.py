@@ -5,6 +5,7 @@ The servers run THIS checkout's code (``python -m runstate.cli`` with the checko
 """
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -12,11 +13,14 @@ import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import httpx2
 import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.message import SessionMessage
+from mcp_types import JSONRPCResponse
 
 from tests.processes import free_port
 from tests.sdk.conftest import make_key, sdk, sdk_server  # noqa: F401 - fixtures
@@ -32,11 +36,38 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+class AnswerGate:
+    """Between a stdio server and its client: holds back the server's next answer while asked to.
+
+    Set ``hold_next``; the next answer the server writes is kept (``holding`` is then set) until
+    ``release`` is set: what the client does meanwhile (cancel the call, say) reaches the server
+    after its answer was written and before the client read it.
+    """
+
+    def __init__(self) -> None:
+        self.hold_next = False
+        self.holding = anyio.Event()
+        self.release = anyio.Event()
+
+    async def pump(self, read, send) -> None:
+        async with send:
+            async for item in read:
+                answer = isinstance(item, SessionMessage) and isinstance(item.message, JSONRPCResponse)
+                if answer and self.hold_next:
+                    self.hold_next = False
+                    self.holding.set()
+                    await self.release.wait()
+                await send.send(item)
+
+
 @asynccontextmanager
-async def stdio_session(url: str, api_key: str, env: dict[str, str] | None = None, **options):
+async def stdio_session(
+    url: str, api_key: str, env: dict[str, str] | None = None, *, gate: AnswerGate | None = None, **options
+):
     """One MCP session over stdio: a ``runstate mcp`` process of its own (``options`` for ``ClientSession``).
 
-    ``env``: more variables for the process (``OTEL_*``, say).
+    ``env``: more variables for the process (``OTEL_*``, say). ``gate``: the client reads the
+    server's messages through it.
     """
     params = StdioServerParameters(
         command=sys.executable,
@@ -44,9 +75,15 @@ async def stdio_session(url: str, api_key: str, env: dict[str, str] | None = Non
         env=child_env(RUNSTATE_URL=url, RUNSTATE_API_KEY=api_key, **(env or {})),
         cwd=str(ROOT),
     )
-    async with stdio_client(params) as (read, write), ClientSession(read, write, **options) as session:
-        await session.initialize()
-        yield session
+    async with stdio_client(params) as (server_out, write), anyio.create_task_group() as pumps:
+        read = server_out
+        if gate is not None:
+            send, read = anyio.create_memory_object_stream(math.inf)
+            pumps.start_soon(gate.pump, server_out, send)
+        async with ClientSession(read, write, **options) as session:
+            await session.initialize()
+            yield session
+        pumps.cancel_scope.cancel()
 
 
 @asynccontextmanager

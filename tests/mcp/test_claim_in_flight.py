@@ -15,13 +15,14 @@ import threading
 import time
 import uuid
 
+import anyio
 import httpx2
 import uvicorn
 from django.db import connection
 
 from coordination.models import Event, Task
 from runstate import Runstate
-from tests.mcp.conftest import call, free_port, stdio_session
+from tests.mcp.conftest import AnswerGate, call, free_port, stdio_session
 from tests.waiting import WAIT_S, until, wait_until
 
 LONG_LEASE_MS = 600_000  # ten minutes: a task seen QUEUED again was released, not taken over
@@ -153,6 +154,15 @@ async def start_claim(session, **arguments):
     return asyncio.create_task(session.call_tool("task_claim", arguments))
 
 
+async def claimable_again(agent, other, mailbox: str, run_id: str, task_id: str) -> None:
+    """The cancelled call's task is claimable again at once: released, long before its ten-minute lease."""
+    await settled(run_id, lambda rows: rows[task_id][0] == "QUEUED")
+    error, body = await call(other, "task_claim", mailbox=mailbox, runId=run_id, waitMs=10_000)
+    assert not error and [c["attempt"] for c in body["claims"]] == [2], body
+    error, body = await call(agent, "run_status", runId=run_id)  # the session goes on, holding nothing
+    assert not error and "cancellation" not in body, body
+
+
 async def cancel(pending) -> None:
     pending.cancel()
     await asyncio.gather(pending, return_exceptions=True)
@@ -169,12 +179,7 @@ def test_a_claim_committed_but_unanswered_is_released_when_its_call_is_cancelled
                 assert len(proxy.committed) == 1  # the service committed the claim; its answer is held
                 assert (await asyncio.to_thread(task_rows, run_id))[task_id] == ("RUNNING", 1)
                 await cancel(pending)
-                # Claimable again at once: released, long before its ten-minute lease.
-                await settled(run_id, lambda rows: rows[task_id][0] == "QUEUED")
-                error, body = await call(other, "task_claim", mailbox=mailbox, runId=run_id, waitMs=10_000)
-                assert not error and [c["attempt"] for c in body["claims"]] == [2], body
-                error, body = await call(agent, "run_status", runId=run_id)  # the session goes on, holding nothing
-                assert not error and "cancellation" not in body, body
+                await claimable_again(agent, other, mailbox, run_id, task_id)
         claimed, released = await asyncio.to_thread(claim_events, run_id)
         assert [r["attempt"] for r in released] == [1]
         first = claimed[0]
@@ -292,3 +297,34 @@ def test_the_race_of_a_cancel_with_a_claim_in_flight_leaks_no_claim(sdk):
 
     asyncio.run(main())
     assert unanswered >= rounds // 4, f"only {unanswered} of {rounds} rounds cancelled a committed, unanswered claim"
+
+
+def test_a_claim_answered_while_its_cancel_was_on_its_way_is_released(sdk):
+    """The cancel crosses the answer: the server answered, the client cancelled before reading it.
+
+    The client drops an answer that arrives after its cancel (as the protocol says it should),
+    so the claim it names would be held by nobody until its lease: the server hands it back
+    when the late cancel arrives.
+    """
+    mailbox, run_id, (task_id,) = setup_run(1)
+
+    async def main():
+        gate = AnswerGate()
+        async with (
+            stdio_session(sdk.url, sdk.api_key, gate=gate) as agent,
+            stdio_session(sdk.url, sdk.api_key) as other,
+        ):
+            gate.hold_next = True
+            pending = await start_claim(agent, mailbox=mailbox, runId=run_id, waitMs=0)
+            with anyio.fail_after(WAIT_S):
+                await gate.holding.wait()  # the server answered: the claim is committed and named
+            assert (await asyncio.to_thread(task_rows, run_id))[task_id] == ("RUNNING", 1)
+            assert not pending.done()
+            await cancel(pending)  # the client sends notifications/cancelled for an answered call
+            gate.release.set()  # the answer reaches a client that has given the call up
+            assert pending.cancelled()
+            await claimable_again(agent, other, mailbox, run_id, task_id)
+        _, released = await asyncio.to_thread(claim_events, run_id)
+        assert [r["attempt"] for r in released] == [1]
+
+    asyncio.run(main())
