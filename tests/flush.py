@@ -108,7 +108,9 @@ class WrittenTablesFlush:
         self._static: dict[str, tuple[int, ...]] = {}
 
     def remember(self, alias: str) -> None:
-        """Record the content types and permissions the migrated database starts with."""
+        """Record the content types and permissions the migrated database starts with (PostgreSQL only)."""
+        if connections[alias].vendor != "postgresql":  # Django's own flush runs there (see __call__)
+            return
         with connections[alias].cursor() as cursor:
             self._static[alias] = _static_counts(cursor)
 

@@ -407,7 +407,8 @@ class Session:
     def answered_call(self, request_id: int | str, undo: "Callable[[Session], Awaitable[None]]") -> None:
         """Remember how to hand back what an answered call took, for a cancel that crossed its answer."""
         now = monotonic()
-        for old, (at, _) in list(self.answered.items()):  # oldest first: stop at the first one still kept
+        while self.answered:  # oldest first: stop at the first one still kept
+            old, (at, _) = next(iter(self.answered.items()))
             if now - at < LATE_CANCEL_S and len(self.answered) < LATE_CANCEL_MAX:
                 break
             del self.answered[old]
