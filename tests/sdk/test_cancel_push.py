@@ -64,14 +64,17 @@ def test_a_task_cancel_reaches_a_running_async_handler_at_once(sdk):
             await ticket.cancel(reason="enough")
             task = await ticket.result(timeout_ms=int(WAIT_S * 1000))
             still_running = other.id not in handlers.stopped
+            await other.cancel(reason="done")  # ends the other handler too: no drain timeout at the stop
+            await other.result(timeout_ms=int(WAIT_S * 1000))
             worker.stop()
             await running
-            return task, still_running, ticket.id
+            return task, still_running, ticket.id, other.id
 
-    task, still_running, task_id = asyncio.run(scenario())
+    task, still_running, task_id, other_id = asyncio.run(scenario())
     assert task["state"] == "CANCELLED" and task["outcome"] == {"stopped": "cancellation_requested"}
     assert handlers.stopped[task_id] == "cancellation_requested"
     assert still_running  # the other claim of the same worker was not touched
+    assert handlers.stopped[other_id] == "cancellation_requested"
 
 
 def test_a_cancel_pushed_before_the_claim_call_answers_reaches_the_handler_when_it_starts(sdk):
