@@ -10,6 +10,27 @@ from runstate import AsyncRunstate, PoolExhaustedError, Runstate, ScopeCancelled
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
+# Long enough that a loaded machine's scheduling stalls cannot lose the lease between two
+# renewals (CI saw 330 ms between two renewals of a 300 ms lease), short enough that the
+# renewer (every third of the TTL) renews twice within about 1.4 s. The tests wait for the
+# renewals they see, never for a fixed time.
+LEASE_TTL_MS = 2_000
+
+
+class Renewals:
+    """The distinct ``expiresAt`` a lease's background renewer has recorded, polled."""
+
+    def __init__(self, lease) -> None:
+        self.lease = lease
+        self.expiries = [lease.data["expiresAt"]]
+        self.deadline = time.monotonic() + 30
+
+    def waiting_for(self, count: int) -> bool:
+        if self.lease.data["expiresAt"] != self.expiries[-1]:
+            self.expiries.append(self.lease.data["expiresAt"])
+        done = len(self.expiries) > count or self.lease.lost
+        return not done and time.monotonic() < self.deadline
+
 
 def test_async_acquire_renews_in_the_background_and_releases_on_exit(sdk):
     async def scenario():
@@ -17,11 +38,13 @@ def test_async_acquire_renews_in_the_background_and_releases_on_exit(sdk):
             assert (await rs.pools.put("gpu", capacity=2))["capacity"] == 2
             assert (await rs.pools.ensure("gpu", capacity=2))["inUse"] == 0
             run = await rs.scopes.create()
-            async with rs.pools.acquire("gpu", run_id=run.id, units=2, lease_ttl_ms=300) as lease:
-                first_expiry = lease.data["expiresAt"]
-                await asyncio.sleep(0.8)  # past the TTL: only the renewals keep it
+            async with rs.pools.acquire("gpu", run_id=run.id, units=2, lease_ttl_ms=LEASE_TTL_MS) as lease:
+                renewals = Renewals(lease)
+                while renewals.waiting_for(2):
+                    await asyncio.sleep(0.02)
                 assert not lease.lost and not lease.signal.is_set()
-                assert (await lease.status())["expiresAt"] > first_expiry
+                assert len(renewals.expiries) == 3, renewals.expiries
+                assert (await lease.status())["expiresAt"] > renewals.expiries[1] > renewals.expiries[0]
                 assert (await rs.pools.retrieve("gpu"))["inUse"] == 2
                 with pytest.raises(PoolExhaustedError) as excinfo:
                     await rs.pools.acquire("gpu", run_id=run.id)
@@ -60,12 +83,14 @@ def test_sync_acquire_waits_for_a_release_and_keys_are_idempotent(sdk):
         assert again.id == held.id
         releaser = threading.Timer(0.3, held.release)
         releaser.start()
-        started = time.monotonic()
-        with rs.pools.acquire("gpu", run_id=run.id, wait_ms=20_000, lease_ttl_ms=500) as lease:
-            assert time.monotonic() - started < 15
+        with rs.pools.acquire("gpu", run_id=run.id, wait_ms=20_000, lease_ttl_ms=LEASE_TTL_MS) as lease:
             assert lease.data["state"] == "HELD"
-            time.sleep(1.0)  # the renewal thread keeps it past its TTL
-            assert not lease.lost and lease.status()["state"] == "HELD"
+            assert held.status()["state"] == "RELEASED"  # granted once the first was handed back
+            renewals = Renewals(lease)
+            while renewals.waiting_for(2):  # the renewal thread keeps renewing it
+                time.sleep(0.02)
+            assert not lease.lost and len(renewals.expiries) == 3, renewals.expiries
+            assert lease.status()["state"] == "HELD"
         releaser.join()
         assert lease.status()["state"] == "RELEASED"
         with pytest.raises(ScopeCancelledError):
