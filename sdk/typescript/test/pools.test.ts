@@ -14,11 +14,16 @@ describe('pools', () => {
     const name = unique('gpu');
     assert.equal((await rs.pools.put(name, { capacity: 2 })).capacity, 2);
     const run = await rs.scopes.create();
-    await rs.pools.withLease(name, { runId: run.id, units: 2, leaseTtlMs: 300 }, async (lease) => {
-      const first = lease.data.expiresAt;
-      await new Promise((resolve) => setTimeout(resolve, 800)); // past the TTL: renewals keep it
+    // A 2 s lease renewed every third of it: the test waits for two renewals it sees, never a
+    // fixed time (a 300 ms lease was lost to a loaded machine's scheduling stall).
+    await rs.pools.withLease(name, { runId: run.id, units: 2, leaseTtlMs: 2000 }, async (lease) => {
+      const expiries = [lease.data.expiresAt];
+      await until(() => {
+        if (lease.data.expiresAt !== expiries.at(-1)) expiries.push(lease.data.expiresAt);
+        return expiries.length > 2 || lease.lost;
+      }, 'two renewals');
       assert.equal(lease.lost, false);
-      assert.ok((await lease.status()).expiresAt > first);
+      assert.ok((await lease.status()).expiresAt > expiries[1]!);
       assert.equal((await rs.pools.retrieve(name)).inUse, 2);
       const refused = await rs.pools.acquire(name, { runId: run.id }).catch((error: unknown) => error);
       assert.ok(refused instanceof PoolExhaustedError);
