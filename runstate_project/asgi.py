@@ -338,10 +338,17 @@ class StaticFilesHandler(ASGIStaticFilesHandler):
             return await sync_to_async(response_for_exception)(request, Http404("No such static file."))
 
 
-def _route(api, site):
-    """Send ``/v1/`` requests to ``api`` and everything else (admin, static, lifespan) to ``site``."""
+def _route(api, site, first_call=None):
+    """Send ``/v1/`` requests to ``api`` and everything else (admin, static, lifespan) to ``site``.
+
+    ``first_call()``, when given, runs on the event loop at the app's first call (the server's
+    signal handlers are installed by then: ``coordination.api.draining.install``).
+    """
+    pending = [first_call] if first_call is not None else []
 
     async def app(scope, receive, send):
+        if pending:
+            pending.pop()()
         if scope["type"] == "http" and scope["path"].startswith(API_PREFIX):
             return await api(scope, receive, send)
         return await site(scope, receive, send)
@@ -351,7 +358,7 @@ def _route(api, site):
 
 setup_tracing("api")  # before Django loads its middleware: the Django instrumentation adds one
 site = get_asgi_application()  # sets Django up
-from coordination.api import edge, longpoll  # noqa: E402 - its models need Django set up
+from coordination.api import draining, edge, longpoll  # noqa: E402 - its models need Django set up
 from coordination.api.hot import HotRouter  # noqa: E402 - as edge
 from coordination.plumbing.checks import refuse_unsafe_database_routes  # noqa: E402
 
@@ -362,4 +369,5 @@ if settings.RUNSTATE_SERVE_STATIC:
     site = StaticFilesHandler(site)
 # The hot endpoints answered on the event loop, everything else (and every case the hot path
 # declines) by ApiASGIHandler (coordination/api/hot/__init__.py).
-application = _route(server_spans(HotRouter(ApiASGIHandler(), _load_api_middleware)), site)
+# On SIGTERM / SIGINT its streams end and its waits answer, so the server stops at once.
+application = _route(server_spans(HotRouter(ApiASGIHandler(), _load_api_middleware)), site, draining.install)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from asgiref.sync import sync_to_async
 from django.db import connection
 
+from coordination.api import draining
 from coordination.plumbing import metrics
 from coordination.plumbing.notify import RECHECK_S, SQLITE_POLL_S, hub
 
@@ -230,15 +231,32 @@ class Watch:
         return await asyncio.shield(pending)
 
     async def next_read(self, timeout_s: float) -> tuple[bool, object]:
-        """Wait for the next re-read (at most ``timeout_s``); return (whether it came, its value)."""
+        """Wait for the next re-read (at most ``timeout_s``); return (whether it came, its value).
+
+        None comes while the process drains (``draining``): the wait answers as if it had run out.
+        """
+        if draining.draining():
+            return False, None
         future = self.next
         try:
-            value, error = await asyncio.wait_for(asyncio.shield(future), max(timeout_s, 0))
+            outcome = await asyncio.wait_for(asyncio.shield(future), max(timeout_s, 0))
         except TimeoutError:
             return False, None
+        if outcome is _DRAINED:
+            return False, None
+        value, error = outcome
         if error is not None:
             raise error
         return True, value
+
+    def drain(self) -> None:
+        """Answer the waiters now: the process is stopping (``draining``)."""
+        future, self.next = self.next, asyncio.get_running_loop().create_future()
+        future.set_result(_DRAINED)
+
+
+# What a watch's ``next`` is resolved with when the process drains: its waiters answer as timed out.
+_DRAINED = object()
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -253,6 +271,14 @@ _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, Wa
 def watches() -> dict[Hashable, Watch]:
     """Return the running loop's watches, by key (tests look at them)."""
     return _watches.setdefault(asyncio.get_running_loop(), {})
+
+
+def _drain_watches() -> None:
+    for watch in list(watches().values()):
+        watch.drain()
+
+
+draining.on_drain(_drain_watches)
 
 
 def _join(key: Hashable, read: Callable | None, topics: Iterable[object], due_in_s) -> Watch:

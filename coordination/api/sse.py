@@ -20,6 +20,7 @@ from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.http import StreamingHttpResponse
 
+from coordination.api import draining
 from coordination.api.longpoll import db, shared_db
 from coordination.models import Event
 from coordination.plumbing.notify import (
@@ -130,6 +131,8 @@ async def event_frames(
                 keepalive.sent()
                 if len(events) >= BATCH:
                     continue
+            if draining.draining():
+                return  # the process is stopping: the client reconnects with its last event's id
             remaining = keepalive.due_in_s()
             if remaining <= 0:
                 yield keepalive.comment()
@@ -367,6 +370,11 @@ class EventFeed:
                 if stream.task is not None:
                     stream.task.cancel()
 
+    def drain(self) -> None:
+        """Wake the streams now: the process is stopping (``draining``), they end."""
+        future, self.next = self.next, asyncio.get_running_loop().create_future()
+        future.set_result(None)
+
     async def wait_past(self, position: Position, timeout_s: float) -> bool:
         """Wait until the feed has read past ``position``, at most ``timeout_s``; tell whether it has."""
         if self.cursor > position:
@@ -404,6 +412,15 @@ def event_feed(kind: FeedKind = EVENTS) -> EventFeed | None:
 def feeds() -> list[tuple[asyncio.AbstractEventLoop, EventFeed]]:
     """Return every feed open, with its loop (the tests stop them)."""
     return [(loop, feed) for loop, by_read in list(_feeds.items()) for feed in list(by_read.values())]
+
+
+def _drain_feeds() -> None:
+    for feed in list(_feeds.get(asyncio.get_running_loop(), {}).values()):
+        feed.drain()
+    hub.wake_all()  # the waits of ``event_frames``
+
+
+draining.on_drain(_drain_feeds)
 
 
 def _feed_join(stream: _Stream, project_id: uuid.UUID, kind: FeedKind) -> EventFeed:
@@ -482,6 +499,8 @@ async def feed_frames(
                 continue
             if behind:
                 continue
+            if draining.draining():
+                return  # the process is stopping: the client reconnects with its last event's id
             remaining = keepalive.due_in_s()
             if remaining <= 0:
                 with stream.offering():

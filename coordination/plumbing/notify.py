@@ -257,6 +257,10 @@ class NotificationHub:
                 if not waiters:
                     del by_topic[topic]
 
+    def wake_all(self) -> None:
+        """Wake every waiter of the running loop (the process is stopping: they look again now)."""
+        self._listener().wake_all()
+
     def start_cache_listener(self, feed: CacheFeed) -> None:
         """Feed ``feed`` from a LISTEN connection: the running loop's, or one on a loop of its own."""
         if not self.enabled():

@@ -5,6 +5,7 @@ import asyncio
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 
+from coordination.api import draining
 from coordination.api import limit_shapes as ls
 from coordination.api import serializers as s
 from coordination.api.longpoll import db, in_request
@@ -85,7 +86,7 @@ class QuotaTakeView(AsyncApiView):
                 with tracing.span(
                     f"wait quota {name}", parent=self.caller_trace(), quota=name, run_id=run.id, amount=data["amount"]
                 ) as waiting:
-                    while not outcome.granted and not outcome.final:
+                    while not outcome.granted and not outcome.final and not draining.draining():
                         # Refill is time-based: sleep until the tokens are due, not polling meanwhile;
                         # but re-check the run at least every RECHECK_S, since a passing deadline
                         # announces itself with no event (SQLite has no NOTIFY at all: more often).
