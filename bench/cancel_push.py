@@ -26,6 +26,9 @@ told or that nothing told within ``--timeout-s``. ``--json PATH`` writes ``push_
 (``python``, ``typescript``, ``celery``: null for a language not measured),
 ``push_cancel_missed``, ``handlers``; per language ``renewal_only_p99_ms``,
 ``single_cancel_p99_ms``, ``run_cancel_p99_ms`` and ``from_request_p99_ms``; ``rounds``.
+``--sqlite`` runs the same on the embedded default instead (no ``DATABASE_URL``: a fresh
+SQLite file, ``var/bench-cancel-push.sqlite3``, where the watch polls the event log; not with
+``--celery``, whose workers need PostgreSQL).
 Run: ``.venv/bin/python -m bench.cancel_push [--typescript] [--celery]`` (``--celery`` needs
 PgBouncer, ``scripts/ensure_pgbouncer.sh``, and Redis at ``CELERY_BROKER_URL``, by default
 ``redis://127.0.0.1:6379/13``).
@@ -368,6 +371,14 @@ def celery_setup(stack: contextlib.ExitStack) -> str:
     return issued.plaintext
 
 
+def use_fresh_sqlite() -> None:
+    """Point this process and its children at a fresh embedded SQLite file (no ``DATABASE_URL``)."""
+    path = ROOT / "var" / "bench-cancel-push.sqlite3"
+    for stale in path.parent.glob(f"{path.name}*"):  # the file, its -wal and -shm
+        stale.unlink()
+    os.environ.update(DATABASE_URL="", RUNSTATE_SQLITE_PATH=str(path))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--handlers", type=int, default=1000)
@@ -377,6 +388,7 @@ def main() -> None:
     parser.add_argument("--typescript", action="store_true", help="also the TypeScript SDK (built in sdk/typescript)")
     parser.add_argument("--celery", action="store_true", help="also Celery workers (@runstate_task), behind PgBouncer")
     parser.add_argument("--no-renewal", action="store_true", help="skip the renewal-only round")
+    parser.add_argument("--sqlite", action="store_true", help="the embedded default (a fresh SQLite file)")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="how long a round waits for every trip")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--worker", nargs=4, metavar=("URL", "KEY", "RUN", "CONCURRENCY"), help=argparse.SUPPRESS)
@@ -389,7 +401,11 @@ def main() -> None:
     if args.typescript and not TS_DIST.exists():
         sys.exit(f"--typescript needs the built SDK ({TS_DIST}): cd sdk/typescript && npm ci && npm run build")
     if args.celery:
+        if args.sqlite:
+            sys.exit("--celery needs PostgreSQL: leave out --sqlite")
         os.environ.setdefault("CELERY_BROKER_URL", CELERY_BROKER_URL)
+    if args.sqlite:
+        use_fresh_sqlite()
     setup_django()
     from coordination.services.mailboxes import mailbox_ensure
 

@@ -82,9 +82,10 @@ def setup_django(*, fresh: bool = False) -> None:
     import django
     from django.core.management import call_command
 
-    if fresh:
-        drop_database(os.environ["DATABASE_URL"])
-    ensure_database(os.environ["DATABASE_URL"])
+    if os.environ["DATABASE_URL"]:  # empty: the embedded SQLite file (RUNSTATE_SQLITE_PATH), made by migrate
+        if fresh:
+            drop_database(os.environ["DATABASE_URL"])
+        ensure_database(os.environ["DATABASE_URL"])
     django.setup()
     call_command("migrate", verbosity=0)
 

@@ -3,7 +3,8 @@
 Every worker here takes a ten-minute lease: renewal would come after 200 s, past any wait of
 these tests (``WAIT_S``), so a handler that sees its cancel was told by the watch. The watch
 is cut between the worker and the API (a proxy, ``tests/proxy.py``) and the API process is
-restarted while cancels are issued: each handler still sees its own.
+restarted while cancels are issued: each handler still sees its own. On PostgreSQL the watch
+is woken by the LISTEN hub, on the embedded default (SQLite) by polling the event log.
 """
 
 import asyncio
@@ -20,7 +21,7 @@ from tests.operator.live import uvicorn_server
 from tests.proxy import proxy_to
 from tests.waiting import WAIT_S, until
 
-pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
+pytestmark = pytest.mark.django_db(transaction=True)
 
 # Renewal every 200 s: far past WAIT_S.
 LONG_LEASE_MS = 600_000
