@@ -2,11 +2,11 @@
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 from runstate import AsyncRunstate, PoolExhaustedError, Runstate, ScopeCancelledError
+from tests.waiting import WAIT_S, until, wait_until
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -18,18 +18,17 @@ LEASE_TTL_MS = 2_000
 
 
 class Renewals:
-    """The distinct ``expiresAt`` a lease's background renewer has recorded, polled."""
+    """The distinct ``expiresAt`` a lease's background renewer has recorded, as a wait polls them."""
 
     def __init__(self, lease) -> None:
         self.lease = lease
         self.expiries = [lease.data["expiresAt"]]
-        self.deadline = time.monotonic() + 30
 
-    def waiting_for(self, count: int) -> bool:
+    def seen(self, count: int) -> bool:
+        """Whether ``count`` renewals were recorded (or the lease was lost: the test then says so)."""
         if self.lease.data["expiresAt"] != self.expiries[-1]:
             self.expiries.append(self.lease.data["expiresAt"])
-        done = len(self.expiries) > count or self.lease.lost
-        return not done and time.monotonic() < self.deadline
+        return len(self.expiries) > count or self.lease.lost
 
 
 def test_async_acquire_renews_in_the_background_and_releases_on_exit(sdk):
@@ -40,8 +39,7 @@ def test_async_acquire_renews_in_the_background_and_releases_on_exit(sdk):
             run = await rs.scopes.create()
             async with rs.pools.acquire("gpu", run_id=run.id, units=2, lease_ttl_ms=LEASE_TTL_MS) as lease:
                 renewals = Renewals(lease)
-                while renewals.waiting_for(2):
-                    await asyncio.sleep(0.02)
+                await until(lambda: renewals.seen(2), what="two renewals")
                 assert not lease.lost and not lease.signal.is_set()
                 assert len(renewals.expiries) == 3, renewals.expiries
                 assert (await lease.status())["expiresAt"] > renewals.expiries[1] > renewals.expiries[0]
@@ -63,7 +61,7 @@ def test_async_lease_is_marked_lost_with_its_signal_when_the_run_is_cancelled(sd
             run = await rs.scopes.create()
             async with rs.pools.acquire("gpu", run_id=run.id, lease_ttl_ms=3000) as lease:
                 await run.cancel()
-                await asyncio.wait_for(lease.signal.wait(), 10)
+                await asyncio.wait_for(lease.signal.wait(), WAIT_S)
                 assert lease.lost and lease.lost_reason == "scope_refused"
                 with pytest.raises(ScopeCancelledError):
                     await lease.renew()
@@ -87,8 +85,7 @@ def test_sync_acquire_waits_for_a_release_and_keys_are_idempotent(sdk):
             assert lease.data["state"] == "HELD"
             assert held.status()["state"] == "RELEASED"  # granted once the first was handed back
             renewals = Renewals(lease)
-            while renewals.waiting_for(2):  # the renewal thread keeps renewing it
-                time.sleep(0.02)
+            wait_until(lambda: renewals.seen(2), what="two renewals by the renewal thread")
             assert not lease.lost and len(renewals.expiries) == 3, renewals.expiries
             assert lease.status()["state"] == "HELD"
         releaser.join()
