@@ -233,7 +233,7 @@ class Watch:
     async def next_read(self, timeout_s: float) -> tuple[bool, object]:
         """Wait for the next re-read (at most ``timeout_s``); return (whether it came, its value).
 
-        None comes while the process drains (``draining``): the wait answers as if it had run out.
+        While the process drains (``draining``) none comes: the wait answers as if it had run out.
         """
         if draining.draining():
             return False, None
