@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -84,6 +86,11 @@ class ClientConfig:
     def backoff_delay(self, retry: int) -> float:
         """Return the pause before retry number ``retry`` (0-based): full jitter, capped."""
         return random.uniform(0, min(self.backoff_max, self.backoff_base * 2**retry))
+
+
+def new_worker_id() -> str:
+    """Return a worker id naming this process (host and pid) and, within it, one worker or client."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 def default_scope_id(scope_id: str | None) -> str:

@@ -25,7 +25,9 @@ class AsyncHold:
     """The async context manager ``claim.hold()`` returns.
 
     On entry the lease starts being renewed every ``renew_fraction`` of its TTL (``lease_ttl_ms``,
-    else the mailbox's: pass the TTL you claimed with). ``ctx.signal`` is set when cancellation
+    else the mailbox's: pass the TTL you claimed with), and the claim joins its client's claim
+    watch (``watch``; one ``GET /v1/claims/watch`` per client and worker id, whatever the number
+    of holds), which tells the hold at once what stops it. ``ctx.signal`` is set when cancellation
     is requested, the lease is lost or the run is refused; the block is not cancelled by that
     (wrap its I/O in ``async with ctx.cancel_on_request():`` to abort it). On exit:
 
@@ -42,12 +44,18 @@ class AsyncHold:
     """
 
     def __init__(
-        self, claim: HeldClaim, tasks: Tasks, *, lease_ttl_ms: int | None = None, renew_fraction: float = 1 / 3
+        self,
+        claim: HeldClaim,
+        tasks: Tasks,
+        *,
+        lease_ttl_ms: int | None = None,
+        renew_fraction: float = 1 / 3,
+        watch: bool = True,
     ) -> None:
         self.claim = claim
         self.ctx = AsyncHoldContext(claim)
         self._holder = Holder(
-            claim._http, claim, self.ctx, tasks, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction
+            claim._http, claim, self.ctx, tasks, lease_ttl_ms=lease_ttl_ms, renew_fraction=renew_fraction, watch=watch
         )
         self._token = None  # the process span made current for the block
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from runstate._config import MAX_SERVER_WAIT_MS, RETRYABLE_STATUS, ClientConfig, JsonDict
+from runstate._config import MAX_SERVER_WAIT_MS, RETRYABLE_STATUS, ClientConfig, JsonDict, new_worker_id
 from runstate._errors import TransportError, error_from_response, retry_after_seconds
 from runstate._tracing import current_headers
 
@@ -27,6 +27,8 @@ class AsyncHttp:
 
     def __init__(self, config: ClientConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
+        # The workerId of the claims taken through this client without one: what its holds watch.
+        self.worker_id = new_worker_id()
         self._client = httpx.AsyncClient(
             base_url=f"{config.base_url}/v1",
             headers=config.request_headers(),
@@ -40,6 +42,11 @@ class AsyncHttp:
     async def aclose(self) -> None:
         """Close the pooled connections."""
         await self._client.aclose()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``aclose`` was called: nothing can be sent any more."""
+        return self._client.is_closed
 
     async def request(
         self,

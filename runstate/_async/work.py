@@ -285,7 +285,9 @@ class AsyncTasks:
     ) -> list[AsyncClaim]:
         """Claim up to ``max`` tasks of exactly this run, waiting up to ``wait_ms`` (30 s at most) for one.
 
-        Never retried: a lost answer's claims are taken over once their lease expires.
+        Never retried: a lost answer's claims are taken over once their lease expires. Without
+        ``worker_id`` the claims carry the client's own (``hostname:pid:random``), which its
+        ``claim.hold()`` watches.
         """
         wait = min(wait_ms, 30_000)
         run_id, started_ns = self._run("claim"), receive_started()
@@ -293,7 +295,9 @@ class AsyncTasks:
             "POST",
             f"/mailboxes/{segment(mailbox)}/claims",
             idempotent=False,
-            json=compact(runId=run_id, max=max, waitMs=wait, leaseTtlMs=lease_ttl_ms, workerId=worker_id),
+            json=compact(
+                runId=run_id, max=max, waitMs=wait, leaseTtlMs=lease_ttl_ms, workerId=worker_id or self._http.worker_id
+            ),
             wait_ms=wait,
         )
         record_receive(mailbox, run_id=run_id, started_ns=started_ns, items=answer["claims"])

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from runstate._config import MAX_SERVER_WAIT_MS, RETRYABLE_STATUS, ClientConfig, JsonDict
+from runstate._config import MAX_SERVER_WAIT_MS, RETRYABLE_STATUS, ClientConfig, JsonDict, new_worker_id
 from runstate._errors import TransportError, error_from_response, retry_after_seconds
 from runstate._tracing import current_headers
 
@@ -28,6 +28,8 @@ class Http:
 
     def __init__(self, config: ClientConfig, transport: httpx.BaseTransport | None = None) -> None:
         self.config = config
+        # The workerId of the claims taken through this client without one: what its holds watch.
+        self.worker_id = new_worker_id()
         self._client = httpx.Client(
             base_url=f"{config.base_url}/v1",
             headers=config.request_headers(),
@@ -41,6 +43,11 @@ class Http:
     def close(self) -> None:
         """Close the pooled connections."""
         self._client.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called: nothing can be sent any more."""
+        return self._client.is_closed
 
     def request(
         self,

@@ -7,6 +7,8 @@
 - ``completer``: the completion buffer, sent in batches by one flusher task;
 - ``signals``: ``SIGTERM`` stops every worker loop on an event loop;
 - ``engine``: the loop itself (``Engine``): claim, renew, run, record, stop;
+- ``watch``: the claim watch (``ClaimWatch``: one per worker loop) and the one a client's holds
+  share (``SharedWatch``);
 - ``holder``: one claim held by hand with the engine's renewer and record methods (``Holder``);
 - ``protocols``: what the engine asks of a claim and of the tasks namespace (``Claim``,
   ``Tasks``), which ``runstate._async.work`` implements from above.

@@ -14,8 +14,6 @@ renewal reports the same, later, when the watch is down.
 import asyncio
 import json
 import logging
-import os
-import socket
 import traceback
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,7 +23,7 @@ from typing import Any
 
 from runstate._async.http import AsyncHttp
 from runstate._batch import ClaimResult
-from runstate._config import JsonDict
+from runstate._config import JsonDict, new_worker_id
 from runstate._errors import (
     LeaseLostError,
     NotFoundError,
@@ -120,7 +118,7 @@ class Engine(FetchLoop[ConsumeSummary]):
         self._make_context = make_context
         self._start_handler = start_handler
         self.lease_ttl_ms = lease_ttl_ms
-        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self.worker_id = worker_id or new_worker_id()
         self.claim_wait_ms = max(0, min(claim_wait_ms, 30_000))
         self.renew_fraction = renew_fraction
         self.summary = ConsumeSummary()
@@ -243,18 +241,21 @@ class Engine(FetchLoop[ConsumeSummary]):
         while True:
             await asyncio.sleep(interval)
             batch = [held for held in self._held.values() if not held.lost]
-            if not batch:
-                continue
-            sent = monotonic()
-            try:
-                results = await self._tasks.renew_many([held.claim for held in batch], lease_ttl_ms=self.lease_ttl_ms)
-            except Exception as exc:  # noqa: BLE001 - the whole request failed: each claim hears it
-                error = exc if isinstance(exc, RunstateError) else TransportError(f"renewal failed: {exc!r}")
-                if isinstance(error, TRANSIENT):
-                    logger.warning("renewal of %d claim(s) failed (%s); retrying", len(batch), error)
-                results = [ClaimResult(held.claim.id, False, error=error) for held in batch]
-            for held, result in zip(batch, results, strict=True):
-                self._renewed(held, result, sent)
+            if batch:
+                await self._renew(batch)
+
+    async def _renew(self, batch: list[_Held]) -> None:
+        """Renew ``batch`` in one call and apply each claim's answer."""
+        sent = monotonic()
+        try:
+            results = await self._tasks.renew_many([held.claim for held in batch], lease_ttl_ms=self.lease_ttl_ms)
+        except Exception as exc:  # noqa: BLE001 - the whole request failed: each claim hears it
+            error = exc if isinstance(exc, RunstateError) else TransportError(f"renewal failed: {exc!r}")
+            if isinstance(error, TRANSIENT):
+                logger.warning("renewal of %d claim(s) failed (%s); retrying", len(batch), error)
+            results = [ClaimResult(held.claim.id, False, error=error) for held in batch]
+        for held, result in zip(batch, results, strict=True):
+            self._renewed(held, result, sent)
 
     def _renewed(self, held: _Held, result: ClaimResult, sent: float) -> None:
         """Apply one claim's renewal answer: extend its lease, or trip its context (that task only)."""

@@ -1,4 +1,7 @@
-"""One claim held by hand (``claim.hold()``), renewed and recorded by the consume engine's methods."""
+"""One claim held by hand (``claim.hold()``), renewed and recorded by the consume engine's methods.
+
+What stops the claim is pushed to it by its client's shared claim watch (``SharedWatch``).
+"""
 
 import asyncio
 import logging
@@ -11,6 +14,7 @@ from runstate._tracing import process_span
 from runstate._worker.contexts import CancellationRequested, _HoldOutcome, _TaskContextBase
 from runstate._worker.engine import Engine, _Held
 from runstate._worker.protocols import Claim, Tasks
+from runstate._worker.watch import SharedWatch, shared_watch
 
 logger = logging.getLogger("runstate.worker")
 
@@ -22,6 +26,11 @@ class Holder:
     "handler" is the block (a placeholder future that stays pending while the block runs),
     so the same renewer renews it, trips its context on a cancel request or a lost lease,
     and the same record methods complete, fail or release it when the block ends.
+
+    With ``watch`` (the default) the claim is also subscribed to its client's watch of the
+    claim's ``workerId`` (``SharedWatch``) while it is held, and renewed once as soon as that
+    watch is open: what stopped it before is told by that renewal, what stops it later is
+    pushed at once, as ``consume`` is told.
     """
 
     def __init__(
@@ -33,9 +42,12 @@ class Holder:
         *,
         lease_ttl_ms: int | None,
         renew_fraction: float,
+        watch: bool = True,
     ) -> None:
         self.claim = claim
         self.ctx = ctx
+        self._http = http
+        self._watch = watch
         self.engine = Engine(
             http,
             str(claim.task.get("runId")),
@@ -53,6 +65,7 @@ class Holder:
         )
         self.held = _Held(claim, ctx)
         self._renewer: asyncio.Task[None] | None = None
+        self._shared: SharedWatch | None = None
 
     @staticmethod
     async def _never(ctx: _TaskContextBase) -> Any:
@@ -80,12 +93,26 @@ class Holder:
         )
         engine._held[self.claim.id] = held
         self._renewer = asyncio.create_task(engine._renew_loop(), name=f"runstate-hold-{self.claim.task_id}")
+        worker_id = self.claim.task.get("workerId")
+        if self._watch and isinstance(worker_id, str) and worker_id:
+            try:
+                self._shared = shared_watch(self._http, worker_id)
+                await self._shared.subscribe(self.claim.id, engine._pushed)
+                # The claim was taken before the watch was open for it: what stopped it meanwhile
+                # (a cancel, the run's end) is told by one renewal now.
+                await engine._renew([held])
+            except BaseException:
+                await self.stop()
+                raise
 
     async def stop(self) -> None:
         """Stop renewing and forget the claim, recording nothing (idempotent)."""
         if self._renewer is not None:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
+        if self._shared is not None:
+            self._shared.unsubscribe(self.claim.id)
+            self._shared = None
         self.engine._held.pop(self.claim.id, None)
         if self.held.handler is not None and not self.held.handler.done():
             self.held.handler.cancel()

@@ -19,7 +19,7 @@ from runstate._async.client import AsyncRunstate
 from runstate._async.hold import AsyncHold
 from runstate._async.http import AsyncHttp
 from runstate._async.pools import AsyncPoolLease
-from runstate._async.work import AsyncClaim, AsyncDelivery
+from runstate._async.work import AsyncClaim, AsyncDelivery, AsyncTasks
 from runstate._config import JsonDict
 from runstate._errors import LeaseLostError, RunstateError, ScopeInactiveError
 from runstate._tracing import ProcessSpan, process_span
@@ -229,7 +229,9 @@ class Session:
             if mailbox not in self.mailbox_ttl_ms:
                 self.mailbox_ttl_ms[mailbox] = int((await self.rs.mailboxes.retrieve(mailbox))["leaseTtlMs"])
             lease_ttl_ms = self.mailbox_ttl_ms[mailbox]
-        hold = claim.hold(lease_ttl_ms=lease_ttl_ms)
+        # No claim watch: every claim call has a workerId of its own (one watch each), and the
+        # session renews its claims before each answer anyway (``refresh``).
+        hold = AsyncHold(claim, AsyncTasks(claim._http, None), lease_ttl_ms=lease_ttl_ms, watch=False)
         await hold.start()  # the claim's ``process`` span starts (a child of its submitter's)
         self.held[claim.id] = HeldClaim(claim, hold)
 

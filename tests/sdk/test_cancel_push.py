@@ -5,6 +5,7 @@ these tests (``WAIT_S``), so a handler that sees its cancel was told by the watc
 is cut between the worker and the API (a proxy, ``tests/proxy.py``) and the API process is
 restarted while cancels are issued: each handler still sees its own. On PostgreSQL the watch
 is woken by the LISTEN hub, on the embedded default (SQLite) by polling the event log.
+Claims held by hand (``claim.hold()``) share one watch per client and are told the same way.
 """
 
 import asyncio
@@ -16,7 +17,9 @@ import pytest
 from coordination.models import Task
 from coordination.services.runs import run_cancel
 from coordination.services.tasks import task_cancel
-from runstate import AsyncRunstate, Runstate
+from runstate import AsyncRunstate, Runstate, ScopeCancelledError
+from runstate._sync.hold import _Background
+from runstate._worker.watch import _shared
 from tests.operator.live import uvicorn_server
 from tests.proxy import proxy_to
 from tests.waiting import WAIT_S, until
@@ -193,6 +196,87 @@ def test_cancels_issued_while_the_api_restarts_reach_their_handlers(sdk, monkeyp
             task_ids = asyncio.run(scenario())
     assert handlers.stopped[task_ids[0]] == "cancellation_requested"
     assert [handlers.stopped[task_id] for task_id in task_ids[1:]] == ["scope_refused"] * 2
+
+
+# Claims held by hand ---------------------------------------------------------------------
+
+
+async def claim_by_hand(rs, mailbox: str, count: int):
+    await rs.mailboxes.ensure(mailbox, mode="WORK", lease_ttl_ms=LONG_LEASE_MS)
+    run = await rs.scopes.create()
+    tickets = [await run.tasks.submit(mailbox, {"n": n}) for n in range(count)]
+    claims = await run.tasks.claim(mailbox, max=count)
+    return run, tickets, sorted(claims, key=lambda claim: [t.id for t in tickets].index(claim.task_id))
+
+
+def test_async_holds_share_one_watch_that_tells_each_its_own_cancel(sdk):
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            run, tickets, claims = await claim_by_hand(rs, "hold-push", 3)
+            holds = [claim.hold(lease_ttl_ms=LONG_LEASE_MS) for claim in claims]
+            ctxs = [await hold.__aenter__() for hold in holds]
+            watches = dict(_shared[rs._http])
+            await tickets[0].cancel(reason="enough")
+            await until(lambda: ctxs[0].signal.is_set(), what="the first hold told of its cancel")
+            others_untouched = not ctxs[1].signal.is_set() and not ctxs[2].signal.is_set()
+            await holds[0].__aexit__(None, None, None)  # a normal end acknowledges the cancel
+            await run.cancel(reason="all of it")
+            await until(lambda: ctxs[1].signal.is_set() and ctxs[2].signal.is_set(), what="the run's end")
+            refusals = []
+            for hold in holds[1:]:
+                with pytest.raises(ScopeCancelledError) as refused:
+                    await hold.__aexit__(None, None, None)
+                refusals.append(refused.value.code)
+            first = await tickets[0].status()
+            return watches, others_untouched, [ctx.stop_reason for ctx in ctxs], refusals, first, rs._http.worker_id
+
+    watches, others_untouched, reasons, refusals, first, worker_id = asyncio.run(scenario())
+    assert list(watches) == [worker_id]  # one watch for the three holds: claims carry the client's workerId
+    assert watches[worker_id].watch.connections == 1
+    assert others_untouched
+    assert reasons == ["cancellation_requested", "scope_refused", "scope_refused"]
+    assert refusals == ["SCOPE_CANCELLED"] * 2
+    assert first["state"] == "CANCELLED"
+
+
+def test_a_cancel_committed_before_the_hold_starts_is_told_when_it_starts(sdk):
+    """The watch opens after the claim: one renewal as the hold starts covers the window between."""
+
+    async def scenario():
+        async with AsyncRunstate() as rs:
+            _, (ticket,), (claim,) = await claim_by_hand(rs, "hold-late", 1)
+            await ticket.cancel(reason="before the hold")
+            async with claim.hold(lease_ttl_ms=LONG_LEASE_MS) as ctx:
+                told = ctx.is_cancellation_requested()  # no wait: told as the hold started
+            return told, await ticket.status()
+
+    told, task = asyncio.run(scenario())
+    assert told
+    assert task["state"] == "CANCELLED"
+
+
+def test_a_sync_hold_is_told_of_its_cancel_by_the_watch_and_the_next_hold_reuses_it(sdk):
+    with Runstate() as rs:
+        rs.mailboxes.ensure("hold-push-sync", mode="WORK", lease_ttl_ms=LONG_LEASE_MS)
+        run = rs.scopes.create()
+        tickets = [run.tasks.submit("hold-push-sync", {"n": n}) for n in range(2)]
+        told = []
+        for ticket in tickets:
+            (claim,) = run.tasks.claim("hold-push-sync")
+            assert claim.task_id == ticket.id
+            with claim.hold(lease_ttl_ms=LONG_LEASE_MS) as ctx:
+                canceller = threading.Timer(0, ticket.cancel)
+                canceller.start()
+                told.append(ctx.wait_cancelled(WAIT_S))  # renewal would tell after 200 s
+                canceller.join(WAIT_S)
+            background = _Background._of[rs._http]
+            watch = _shared[background.http][claim.task["workerId"]]
+            told.append((id(background), id(watch), watch.watch.connections))
+        states = [ticket.status()["state"] for ticket in tickets]
+    assert told[0] is True and told[2] is True
+    assert told[1] == told[3]  # the second hold ran on the same background and watch
+    assert told[1][2] == 1  # one connection in all
+    assert states == ["CANCELLED", "CANCELLED"]
 
 
 def port_of(url: str) -> int:
