@@ -255,6 +255,23 @@ def test_a_cancel_committed_before_the_hold_starts_is_told_when_it_starts(sdk):
     assert task["state"] == "CANCELLED"
 
 
+def test_a_closed_client_ends_the_watch_its_holds_shared(sdk):
+    async def scenario():
+        rs = AsyncRunstate()
+        _, _, (claim,) = await claim_by_hand(rs, "hold-close", 1)
+        async with claim.hold(lease_ttl_ms=LONG_LEASE_MS):
+            pass
+        shared = _shared[rs._http][rs._http.worker_id]
+        lingering = not shared._task.done()  # kept for the client's next hold
+        await rs.aclose()
+        await asyncio.wait({shared._task}, timeout=WAIT_S)
+        return lingering, shared._task
+
+    lingering, task = asyncio.run(scenario())
+    assert lingering
+    assert task.done() and not task.cancelled() and task.exception() is None  # ended by itself, quietly
+
+
 def test_a_sync_hold_is_told_of_its_cancel_by_the_watch_and_the_next_hold_reuses_it(sdk):
     with Runstate() as rs:
         rs.mailboxes.ensure("hold-push-sync", mode="WORK", lease_ttl_ms=LONG_LEASE_MS)
