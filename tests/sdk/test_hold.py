@@ -4,7 +4,6 @@
 import asyncio
 import random
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
